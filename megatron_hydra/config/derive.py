@@ -1,0 +1,264 @@
+"""Derive every computed value of a run and validate the config, before any worker starts.
+
+Pure functions of the composed ``RunConfig``: no torch.distributed, no devices. Everything that
+depends on more than one key (dp size, micro-batch count, padded vocab, layers per stage) is
+computed here once and handed down in ``Derived``; nobody recomputes it elsewhere. Each violation
+raises ``ConfigError`` with one line that names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHOICES = {
+    "model.arch": ("gpt",),
+    "model.position_embedding": ("learned", "rope"),
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "gelu_tanh", "swiglu"),
+    "precision.params_dtype": ("float32", "float64"),
+    "optim.lr_schedule": ("cosine", "linear", "constant"),
+    "optim.name": ("adamw",),
+    "trainer.accelerator": ("cpu", "gpu"),
+    "data.name": ("synthetic",),
+    "mode": ("train",),
+    "parallel.pipeline_schedule": ("1f1b",),
+}
+
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int
+    num_microbatches: int
+    layers_per_stage: Tuple[int, ...]  # one entry per virtual stage, in model order
+    transformer: TransformerConfig
+
+
+def _get(cfg: RunConfig, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_choices(cfg: RunConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
+
+
+def _check_positive(cfg: RunConfig) -> None:
+    keys = (
+        "trainer.devices", "trainer.num_nodes", "trainer.max_steps", "trainer.log_every_n_steps",
+        "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "parallel.context_parallel_size",
+        "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
+        "model.vocab_size", "model.make_vocab_size_divisible_by",
+        "data.micro_batch_size", "data.global_batch_size", "data.num_samples", "parallel.grad_bucket_size",
+    )
+    for key in keys:
+        value = _get(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be a positive integer")
+    for key in ("model.num_query_groups", "model.ffn_hidden_size", "model.kv_channels",
+                "parallel.virtual_pipeline_size", "trainer.num_threads", "optim.decay_steps"):
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be a positive integer or null (derived)")
+    for key in ("model.hidden_dropout", "model.attention_dropout"):
+        value = _get(cfg, key)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must be in [0, 1)")
+    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} and optim.min_lr={cfg.optim.min_lr} need 0 <= min_lr <= lr and lr > 0")
+    if cfg.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
+    if cfg.optim.clip_grad < 0:
+        raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad} must be >= 0 (0 disables clipping)")
+
+
+def _parallel_degrees(cfg: RunConfig) -> Tuple[int, int, int, int, int]:
+    par = cfg.parallel
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
+    if cp != 1:
+        raise ConfigError(
+            f"parallel.context_parallel_size={cp}: context parallelism is not supported; set it to 1"
+        )
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        raise ConfigError(
+            f"trainer.devices x trainer.num_nodes = {world} ranks is not divisible by tensor x pipeline x context "
+            f"parallel = {tp}x{pp}x{cp} = {model_parallel}: use a multiple of {model_parallel} ranks or smaller parallel sizes"
+        )
+    if tp > 1:
+        raise ConfigError(f"parallel.tensor_parallel_size={tp}: tensor parallelism is not available yet; set it to 1")
+    if pp > 1:
+        raise ConfigError(f"parallel.pipeline_parallel_size={pp}: pipeline parallelism is not available yet; set it to 1")
+    return world, tp, pp, cp, world // model_parallel
+
+
+def _attention_shape(cfg: RunConfig, tp: int) -> Tuple[int, int]:
+    m = cfg.model
+    heads = m.num_attention_heads
+    groups = heads if m.num_query_groups is None else m.num_query_groups
+    if heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads={heads} is not divisible by parallel.tensor_parallel_size={tp}: "
+            f"use a tensor_parallel_size in {_divisors(heads)}"
+        )
+    if heads % groups:
+        raise ConfigError(
+            f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}: "
+            f"use num_query_groups in {_divisors(heads)}"
+        )
+    if groups % tp:
+        raise ConfigError(
+            f"model.num_query_groups={groups} is not divisible by parallel.tensor_parallel_size={tp}: "
+            f"use a tensor_parallel_size in {_divisors(groups)}"
+        )
+    if m.kv_channels is None:
+        if m.hidden_size % heads:
+            raise ConfigError(
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={heads}: "
+                "change one of them or set model.kv_channels"
+            )
+        kv_channels = m.hidden_size // heads
+    else:
+        kv_channels = m.kv_channels
+    if m.position_embedding == "rope" and kv_channels % 2:
+        raise ConfigError(f"rotary embeddings need an even head size, got {kv_channels}: change model.kv_channels or hidden_size")
+    return groups, kv_channels
+
+
+def _ffn_size(cfg: RunConfig, tp: int) -> int:
+    m = cfg.model
+    if m.ffn_hidden_size is not None:
+        ffn = m.ffn_hidden_size
+    elif m.activation == "swiglu":
+        ffn = 256 * math.ceil(int(8 * m.hidden_size / 3) / 256)
+    else:
+        ffn = 4 * m.hidden_size
+    if ffn % tp:
+        raise ConfigError(
+            f"model.ffn_hidden_size={ffn} is not divisible by parallel.tensor_parallel_size={tp}: "
+            "set model.ffn_hidden_size to a multiple of it"
+        )
+    return ffn
+
+
+def _layers_per_stage(cfg: RunConfig, pp: int, vpp: int) -> Tuple[int, ...]:
+    layers, explicit = cfg.model.num_layers, cfg.parallel.layers_per_stage
+    stages = pp * vpp
+    if explicit is not None:
+        explicit = list(explicit)
+        if len(explicit) != stages or sum(explicit) != layers or min(explicit) < 1:
+            raise ConfigError(
+                f"parallel.layers_per_stage={explicit} must have pipeline_parallel_size x virtual_pipeline_size = "
+                f"{stages} positive entries summing to model.num_layers={layers}"
+            )
+        return tuple(explicit)
+    if layers % stages:
+        raise ConfigError(
+            f"model.num_layers={layers} is not divisible by pipeline x virtual pipeline stages = {stages}: "
+            "change the stage counts or give parallel.layers_per_stage explicitly"
+        )
+    return (layers // stages,) * stages
+
+
+def _num_microbatches(cfg: RunConfig, dp: int) -> int:
+    micro, global_batch = cfg.data.micro_batch_size, cfg.data.global_batch_size
+    if global_batch % (micro * dp):
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} is not divisible by data.micro_batch_size x data-parallel size "
+            f"= {micro}x{dp}: use a global_batch_size that is a multiple of {micro * dp}"
+        )
+    return global_batch // (micro * dp)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary so that each tensor-parallel shard is a multiple of
+    ``divisible_by`` (fast matmul shapes, equal shards)."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def derive(cfg: RunConfig) -> Derived:
+    """Validate ``cfg`` and compute everything that follows from it."""
+    _check_choices(cfg)
+    _check_positive(cfg)
+    world, tp, pp, cp, dp = _parallel_degrees(cfg)
+    m, par = cfg.model, cfg.parallel
+    vpp = par.virtual_pipeline_size or 1
+    if vpp > 1 and pp == 1:
+        raise ConfigError(
+            f"parallel.virtual_pipeline_size={vpp} needs parallel.pipeline_parallel_size > 1: set it to null"
+        )
+    if par.sequence_parallel:
+        if tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1: set it to false")
+        if m.seq_length % tp:
+            raise ConfigError(
+                f"model.seq_length={m.seq_length} is not divisible by parallel.tensor_parallel_size={tp}, "
+                "which sequence parallelism needs: change seq_length or set parallel.sequence_parallel=false"
+            )
+    groups, kv_channels = _attention_shape(cfg, tp)
+    ffn = _ffn_size(cfg, tp)
+    layers = _layers_per_stage(cfg, pp, vpp)
+    nmb = _num_microbatches(cfg, dp)
+    max_pos = m.max_position_embeddings or m.seq_length
+    if m.position_embedding == "learned" and m.seq_length > max_pos:
+        raise ConfigError(
+            f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings={max_pos}: raise the latter"
+        )
+    decay = cfg.optim.decay_steps or cfg.trainer.max_steps
+    if cfg.optim.warmup_steps > decay:
+        raise ConfigError(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds the decay length {decay} "
+            "(optim.decay_steps, or trainer.max_steps when unset): lower warmup_steps"
+        )
+    transformer = TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=groups,
+        kv_channels=kv_channels,
+        ffn_hidden_size=ffn,
+        seq_length=m.seq_length,
+        max_position_embeddings=max_pos,
+        vocab_size=m.vocab_size,
+        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
+        position_embedding=m.position_embedding,
+        rope_theta=m.rope_theta,
+        normalization=m.normalization,
+        norm_eps=m.norm_eps,
+        activation=m.activation,
+        add_bias_linear=m.add_bias_linear,
+        tie_embeddings=m.tie_embeddings,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_std=m.init_std,
+        sequence_parallel=par.sequence_parallel,
+        params_dtype=DTYPES[cfg.precision.params_dtype],
+    )
+    return Derived(
+        world_size=world, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, num_microbatches=nmb,
+        layers_per_stage=layers, transformer=transformer,
+    )

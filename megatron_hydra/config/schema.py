@@ -1,0 +1,153 @@
+"""Typed schema of a run: the single source of config names, types and defaults.
+
+The dataclasses are registered in Hydra's ConfigStore (``register_configs``) so that the YAML files
+under ``conf/`` only set values: a misspelled key or a wrong type fails when Hydra composes the
+config, before anything else runs. Values left ``None`` are derived in ``config.derive``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Shape and flavour of the network. Published shapes live in ``conf/model/*.yaml``."""
+
+    name: str = "gpt_tiny"
+    arch: str = "gpt"
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    # None -> num_attention_heads (plain multi-head attention); fewer -> grouped-query attention.
+    num_query_groups: Optional[int] = None
+    # None -> 4 * hidden (gelu) or Llama's 8/3 * hidden rounded up to a multiple of 256 (swiglu).
+    ffn_hidden_size: Optional[int] = None
+    # None -> hidden_size / num_attention_heads.
+    kv_channels: Optional[int] = None
+    seq_length: int = 256
+    # None -> seq_length (only used by learned absolute positions).
+    max_position_embeddings: Optional[int] = None
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    position_embedding: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama)
+    add_bias_linear: bool = True
+    tie_embeddings: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. The data-parallel degree is never set: it is world / (tp * pp * cp)."""
+
+    name: str = "single"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    virtual_pipeline_size: Optional[int] = None
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    # None -> layers split evenly over pp * vpp stages; else one entry per stage, summing to num_layers.
+    layers_per_stage: Optional[List[int]] = None
+    # Bucket size (in elements) of the data-parallel gradient all-reduce.
+    grad_bucket_size: int = 40_000_000
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    # float32 for training; float64 exists so that numerics tests can compare layouts at 1e-9.
+    params_dtype: str = "float32"
+
+
+@dataclass
+class TokenizerConfig:
+    # byte: raw UTF-8 bytes (no file); hf: a tokenizers tokenizer.json; sentencepiece: a .model file;
+    # bpe: a byte-level BPE trained on the corpus with vocab_size entries, saved next to the data.
+    type: str = "byte"
+    path: Optional[str] = None
+    vocab_size: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | demo | indexed
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    # indexed: [prefix] or [weight, prefix, weight, prefix, ...] of Megatron .bin/.idx pairs.
+    blend: Optional[List[Any]] = None
+    # Train/valid/test proportions, split by documents.
+    split: str = "969,30,1"
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # Where index arrays and the demo corpus are cached; None -> next to the data (demo: ~/.cache).
+    cache_dir: Optional[str] = None
+    # Number of samples in the synthetic dataset (it is generated on the fly, so this is only a bound).
+    num_samples: int = 1_000_000
+    num_workers: int = 0
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 10
+    # None -> trainer.max_steps.
+    decay_steps: Optional[int] = None
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "cpu"
+    accelerator: str = "cpu"  # cpu | gpu
+    devices: int = 1
+    num_nodes: int = 1
+    max_steps: int = 100
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+    # Threads per rank on CPU; None -> the machine's cores divided by the local ranks.
+    num_threads: Optional[int] = None
+    # Run validation every this many steps (0 disables it) over limit_val_batches global batches.
+    val_check_interval: int = 0
+    limit_val_batches: int = 10
+    # Seconds a collective may wait before the run is declared hung and stopped.
+    collective_timeout_s: int = 600
+
+
+@dataclass
+class RunConfig:
+    """The whole composed config (``conf/config.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    mode: str = "train"
+    seed: int = 1234
+    # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.
+    run_dir: str = MISSING
+
+
+def register_configs() -> None:
+    """Register the schema; ``conf/config.yaml`` lists it first in its defaults, so every group
+    file merges into a typed node and an unknown key or a wrong type fails at compose time."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)

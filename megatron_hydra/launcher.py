@@ -1,0 +1,162 @@
+"""Turn one composed config into running workers.
+
+- Under an external launcher (torchrun, or SLURM's srun with one task per device) this process is
+  one worker: check the launcher's world size against the config, then train in-process.
+- Otherwise spawn ``trainer.devices`` local workers with torch's elastic launch API. Each worker
+  is a fresh ``python -m megatron_hydra.training.worker`` that reads the resolved config from the
+  run dir. Lightning's own launcher is never used: it re-executes ``sys.argv``, which breaks Hydra's
+  output dir and multirun. If any worker fails, the agent stops the others at once and ``run``
+  raises ``WorkerFailed`` naming the rank and its error.
+
+Config errors are raised before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from omegaconf import OmegaConf
+
+from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.errors import ConfigError, MegatronHydraError
+
+CONFIG_FILE = "resolved_config.yaml"
+
+
+class WorkerFailed(MegatronHydraError):
+    """A worker process failed; the message names the first failing rank and its error."""
+
+
+@dataclass(frozen=True)
+class ExternalLaunch:
+    """Ranks handed to this process by torchrun or SLURM."""
+
+    kind: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def _slurm_master_addr(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as ``gpu[003-005,007],login1`` -> ``gpu003``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_external(env: Optional[Dict[str, str]] = None) -> Optional[ExternalLaunch]:
+    """torchrun sets TORCHELASTIC_RUN_ID and RANK/WORLD_SIZE; srun sets SLURM_PROCID/SLURM_NTASKS.
+    A SLURM allocation with a single task (``sbatch`` running ``python launch.py``) is not an
+    external launch: we spawn the local workers ourselves."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
+        return ExternalLaunch("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                              int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return ExternalLaunch("slurm", int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")),
+                              int(env["SLURM_NTASKS"]), int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
+    return None
+
+
+def slurm_rendezvous_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The variables torch.distributed's env:// init needs, derived from SLURM's."""
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "MASTER_ADDR": env.get("MASTER_ADDR") or _slurm_master_addr(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+    }
+
+
+def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> None:
+    """Checks that need the machine (not just the config), still before any worker starts."""
+    if cfg.trainer.accelerator == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=gpu but no CUDA device is visible: use trainer=cpu")
+        if external is None and torch.cuda.device_count() < cfg.trainer.devices:
+            raise ConfigError(
+                f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} GPUs: lower it"
+            )
+    if external is not None and external.world_size != derived.world_size:
+        raise ConfigError(
+            f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
+            f"{cfg.trainer.devices}x{cfg.trainer.num_nodes} = {derived.world_size}: make them agree"
+        )
+    if external is None and cfg.trainer.num_nodes > 1:
+        raise ConfigError(
+            f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "
+            "(torchrun --nnodes ... or srun): this process can only spawn workers on its own node"
+        )
+
+
+def write_config(cfg: RunConfig, run_dir: str) -> str:
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, CONFIG_FILE)
+    with open(path, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return path
+
+
+def read_config(path: str) -> RunConfig:
+    loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(loaded)
+
+
+def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=derived.world_size,
+        run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(cfg.run_dir, "workers")),
+    )
+    try:
+        elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(f"rank {rank} failed: {failure_summary(cfg.run_dir, rank, failure.exitcode)}") from None
+
+
+def failure_summary(run_dir: str, rank: int, exitcode: int) -> str:
+    """The one-line error a worker left in ``rank<N>.error`` (its traceback follows in the file)."""
+    path = os.path.join(run_dir, f"rank{rank}.error")
+    if os.path.exists(path):
+        with open(path) as f:
+            first = f.readline().strip()
+        return f"{first} (traceback: {path})"
+    if exitcode < 0:
+        return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def run(cfg: RunConfig) -> None:
+    """Validate, then train with this process as a worker or with spawned local workers."""
+    derived = derive(cfg)
+    external = detect_external()
+    preflight(cfg, derived, external)
+    from megatron_hydra.training.worker import run_worker
+
+    config_path = write_config(cfg, cfg.run_dir)
+    if external is not None:
+        if external.kind == "slurm":
+            os.environ.update(slurm_rendezvous_env(dict(os.environ)))
+        run_worker(cfg, derived, local_rank=external.local_rank, local_world_size=external.local_world_size)
+        return
+    if derived.world_size == 1:
+        run_worker(cfg, derived, local_rank=0, local_world_size=1)
+        return
+    _spawn_local(cfg, derived, config_path)

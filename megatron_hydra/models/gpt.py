@@ -1,0 +1,74 @@
+"""GPT: token (+ learned position) embedding, a stack of pre-norm blocks, final norm, LM head.
+
+The model takes a ``TransformerConfig`` and a ``ParallelState`` and nothing else. Parallelism is
+hidden in the layers; a pipeline stage is this same class built with only its range of layers
+(``layers``) and with the embedding / head only where they belong (first / last stage). Blocks are
+keyed by their global index, so parameter names are the logical names of the whole model whatever
+the layout: ``layers.7.mlp.fc1.weight`` is the same tensor at any tp or pp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_hydra.models.transformer import Block, build_norm
+from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.parallel import mappings as M
+from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, _param, parallel_lm_logits
+from megatron_hydra.parallel.state import ParallelState
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, layers: Optional[Sequence[int]] = None,
+                 pre_process: bool = True, post_process: bool = True, device=None):
+        super().__init__()
+        self.cfg, self.ps = cfg, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        layers = range(cfg.num_layers) if layers is None else layers
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ps.tp_group,
+                                                    dtype=cfg.params_dtype, device=device)
+            if cfg.position_embedding == "learned":
+                self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                       dtype=cfg.params_dtype, device=device)
+                self.position_embedding.weight.tp_partition_dim = None
+                self.position_embedding.weight.sequence_parallel = False
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ps, device) for i in layers})
+        if post_process:
+            self.final_norm = build_norm(cfg, device)
+            if not cfg.tie_embeddings:
+                self.output_weight = _param((cfg.padded_vocab_size // ps.tp_size, cfg.hidden_size),
+                                            cfg.params_dtype, device, 0)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embedding.weight if self.cfg.tie_embeddings else self.output_weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        if self.cfg.position_embedding == "learned":
+            x = x + self.position_embedding(torch.arange(tokens.shape[1], device=tokens.device))
+        x = F.dropout(x, self.cfg.hidden_dropout, self.training)
+        return M.scatter_to_sp(x, self.ps.tp_group) if self.cfg.sequence_parallel else x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of this TP rank's vocabulary shard, [batch, seq, padded_vocab / tp]."""
+        return parallel_lm_logits(self.final_norm(x), self.lm_head_weight(), self.ps.tp_group, self.cfg.sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.
+        On a pipeline stage without the embedding, ``tokens`` is the hidden state from the
+        previous stage; on one without the head, the hidden state is returned."""
+        x = self.embed(tokens) if self.pre_process else tokens
+        for block in self.layers.values():
+            x = block(x)
+        if not self.post_process:
+            return x
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)

@@ -1,0 +1,47 @@
+"""Layout-independent initialisation (Megatron's scheme).
+
+Each parameter's full, logical tensor is drawn from a generator seeded by the run seed and the
+parameter's logical name, then this rank keeps its TP shard. So the initial model is the same for
+every tp, pp and dp, and adding a layer never changes the draws of the others. Rules:
+weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2)
+normal(0, init_std / sqrt(2 * num_layers)); biases zero; norm weights one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
+
+
+def _full_shape(p: torch.Tensor, tp_size: int):
+    shape = list(p.shape)
+    if getattr(p, "tp_partition_dim", None) is not None:
+        shape[p.tp_partition_dim] *= tp_size
+    return shape
+
+
+def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter ``name`` (float32, on CPU)."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    std = cfg.output_init_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int) -> None:
+    for name, p in model.named_parameters():
+        full = logical_tensor(name, _full_shape(p, tp_size), cfg, seed)
+        dim = getattr(p, "tp_partition_dim", None)
+        if dim is not None and tp_size > 1:
+            full = full.chunk(tp_size, dim=dim)[tp_rank]
+        p.copy_(full.to(dtype=p.dtype, device=p.device))

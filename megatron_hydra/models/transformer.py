@@ -1,0 +1,118 @@
+"""The Transformer block: pre-norm attention and MLP, written against the tensor-parallel layers.
+
+Activations are ``[batch, sequence, hidden]``; under sequence parallelism the sequence dim holds
+this rank's slice between the attention and MLP regions. With TP=1 every parallel layer is a plain
+linear layer, so this reads as an ordinary GPT block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_hydra.parallel.state import ParallelState
+
+
+def build_norm(cfg: TransformerConfig, device=None) -> nn.Module:
+    kwargs = dict(eps=cfg.norm_eps, dtype=cfg.params_dtype, device=device)
+    norm = nn.RMSNorm(cfg.hidden_size, **kwargs) if cfg.normalization == "rmsnorm" else nn.LayerNorm(cfg.hidden_size, **kwargs)
+    for p in norm.parameters():  # replicated over TP; under SP each rank sees only its sequence slice
+        p.tp_partition_dim = None
+        p.sequence_parallel = cfg.sequence_parallel
+    return norm
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the rotate-half convention (GPT-NeoX, Llama in HF layout)."""
+
+    def __init__(self, cfg: TransformerConfig, device=None):
+        super().__init__()
+        d = cfg.kv_channels
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+        angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float64, device=device), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos().to(cfg.params_dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(cfg.params_dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""
+        s = x.shape[-2]
+        cos, sin = self.cos[offset:offset + s].to(x.dtype), self.sin[offset:offset + s].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query attention, heads split across TP.
+
+    The fused QKV weight is laid out per query group as [q heads of the group, k, v], so that a
+    TP rank's contiguous shard holds whole groups: the same logical tensor for every TP degree.
+    """
+
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
+        super().__init__()
+        tp = ps.tp_size
+        self.cfg = cfg
+        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        self.local_groups = cfg.num_query_groups // tp
+        d = cfg.kv_channels
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+        common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, **common)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, ps.tp_group, **common)
+        self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [b, s, local_groups * (heads_per_group + 2) * d]
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.cfg.kv_channels)
+        q = qkv[:, :, :, : self.heads_per_group].flatten(2, 3).transpose(1, 2)  # [b, heads, s, d]
+        k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, groups, s, d]
+        v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.cfg.attention_dropout if self.training else 0.0, is_causal=True,
+            enable_gqa=self.heads_per_group > 1,
+        )
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    """Feed-forward: h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU keeps its
+    gate and up projections as two column-parallel layers, so each rank holds matching halves."""
+
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
+        super().__init__()
+        common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        self.activation = cfg.activation
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common)
+        self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation == "swiglu" else None
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps.tp_group, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            h = F.silu(self.gate(x)) * self.fc1(x)
+        else:
+            h = F.gelu(self.fc1(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(h)
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
+        super().__init__()
+        self.norm1 = build_norm(cfg, device)
+        self.attention = Attention(cfg, ps, device)
+        self.norm2 = build_norm(cfg, device)
+        self.mlp = MLP(cfg, ps, device)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attention(self.norm1(x)), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)

@@ -1,0 +1,92 @@
+"""The raw collectives every parallel layer uses, along any tensor dimension, with accounting.
+
+All communication of model code funnels through these few functions, so that a benchmark (or a
+test) can count the exact bytes each group moves by installing a ``CommCounter``. A group of size
+one (or no group at all) makes every function the identity, without touching torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CommCounter:
+    """Bytes each kind of collective contributed from this rank (its input tensor's size)."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.calls[kind] += 1
+
+
+_counter: Optional[CommCounter] = None
+
+
+@contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    global _counter
+    previous, _counter = _counter, CommCounter()
+    try:
+        yield _counter
+    finally:
+        _counter = previous
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce (sum by default) over the group, in place."""
+    if group_size(group) == 1:
+        return tensor
+    if _counter is not None:
+        _counter.add("all_reduce", tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if _counter is not None:
+        _counter.add("all_gather", tensor)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group, then keep this rank's chunk along ``dim``."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if _counter is not None:
+        _counter.add("reduce_scatter", tensor)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def split(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk along ``dim`` (no communication)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()

@@ -1,0 +1,52 @@
+"""Cross entropy over logits whose vocabulary is split across the tensor-parallel group.
+
+Never gathers the full-vocabulary logits: each rank reduces its shard to three numbers per token
+(the max, the sum of exponentials, the target's logit if it owns the target) and those are
+all-reduced. The backward is softmax minus the one-hot target, on the local shard only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_hydra.parallel import collectives as C
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group):
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        local_vocab = logits.shape[-1]
+        start = C.group_rank(group) * local_vocab
+        logits_max = logits.max(dim=-1).values
+        C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= local_vocab)
+        local_target = local_target.masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        C.all_reduce(predicted, group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        C.all_reduce(sum_exp, group)
+        loss = sum_exp.log() - predicted
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Per-token loss (no reduction), equal to ``F.cross_entropy(full_logits, target, reduction='none')``."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)

@@ -1,0 +1,107 @@
+"""Megatron's tensor-parallel layers: column-, row- and vocab-parallel.
+
+A layer holds only its shard of the logical (unsharded) weight and tags each parameter with
+``tp_partition_dim`` (the dim it is split along, or ``None`` when every TP rank holds all of it),
+so that initialisation, gradient clipping and checkpoints can relate the shard to the logical
+tensor without knowing the layer. Parameters replicated across TP whose gradient is computed from
+a sequence-parallel slice carry ``sequence_parallel=True``: their grads must be summed over TP.
+
+Layers take the TP process group directly; they know nothing of models or of ``ParallelState``.
+Weights are created empty: ``models.init.init_weights`` fills them layout-independently.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel import mappings as M
+
+
+def _param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    p.tp_partition_dim = partition_dim
+    p.sequence_parallel = sequence_parallel and partition_dim is None
+    return p
+
+
+def _shard(size: int, world: int, what: str) -> int:
+    if size % world:
+        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {world}")
+    return size // world
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its output rows: each rank computes a slice of y.
+
+    Input is the full activation (or, with sequence parallelism, this rank's sequence slice, which
+    is all-gathered first); output is this rank's slice of the features unless ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local_out = _shard(out_features, C.group_size(tp_group), "out_features")
+        self.weight = _param((local_out, in_features), dtype, device, 0)
+        self.bias = _param((local_out,), dtype, device, 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = M.gather_from_sp(x, self.tp_group) if self.sequence_parallel else M.copy_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return M.gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split along its input columns: each rank holds a slice of x (the
+    output of a column-parallel layer) and the partial products are summed over TP (or
+    reduce-scattered along the sequence with sequence parallelism). The bias is added once, after
+    the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local_in = _shard(in_features, C.group_size(tp_group), "in_features")
+        self.weight = _param((out_features, local_in), dtype, device, 1)
+        self.bias = _param((out_features,), dtype, device, None, sequence_parallel) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = M.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else M.reduce_from_tp(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary: rank r owns ids [r*V/tp, (r+1)*V/tp). Ids
+    outside the range look up nothing (zeros) and the partial lookups are summed over TP."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, *,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = _shard(num_embeddings, C.group_size(tp_group), "num_embeddings")
+        self.vocab_start = C.group_rank(tp_group) * local
+        self.weight = _param((local, embedding_dim), dtype, device, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if C.group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return M.reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """Logits of this rank's vocabulary shard from the (possibly tied) vocab-parallel weight."""
+    x = M.gather_from_sp(hidden, tp_group) if sequence_parallel else M.copy_to_tp(hidden, tp_group)
+    return F.linear(x, weight)

@@ -1,0 +1,162 @@
+"""Where this rank sits in the (pp, dp, cp, tp) grid, and the process groups along each axis.
+
+Ranks are laid out as Megatron does, tensor-parallel innermost:
+``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, so a TP group is a run of
+consecutive ranks (one node's NVLink domain on GPUs) and pipeline stages are furthest apart.
+The arithmetic is pure (``coordinates``, ``group_ranks``) so it is tested without processes; the
+``DeviceMesh`` built from it is what DTensor-based checkpointing views shards over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+def _strides(sizes: Dict[str, int]) -> Dict[str, int]:
+    strides, step = {}, 1
+    for axis in reversed(AXES):
+        strides[axis] = step
+        step *= sizes[axis]
+    return strides
+
+
+def coordinates(rank: int, sizes: Dict[str, int]) -> Dict[str, int]:
+    """This rank's index along each axis."""
+    strides = _strides(sizes)
+    return {axis: (rank // strides[axis]) % sizes[axis] for axis in AXES}
+
+
+def group_ranks(sizes: Dict[str, int], axes: Sequence[str]) -> List[List[int]]:
+    """All groups of ranks that differ only along ``axes`` (each group sorted by rank)."""
+    strides = _strides(sizes)
+    fixed = [a for a in AXES if a not in axes]
+    groups = []
+    for fixed_coords in product(*(range(sizes[a]) for a in fixed)):
+        base = sum(c * strides[a] for a, c in zip(fixed, fixed_coords))
+        members = [
+            base + sum(c * strides[a] for a, c in zip(axes, coords))
+            for coords in product(*(range(sizes[a]) for a in axes))
+        ]
+        groups.append(sorted(members))
+    return groups
+
+
+def embedding_group_ranks(sizes: Dict[str, int]) -> List[List[int]]:
+    """First and last pipeline stage of each pipeline: they hold the tied input/output embedding."""
+    return [sorted({g[0], g[-1]}) for g in group_ranks(sizes, ("pp",))]
+
+
+@dataclass
+class ParallelState:
+    """Sizes, coordinates and groups of this rank. Groups are ``None`` when there is no process
+    group at all (one process, no ``torch.distributed``); collectives over a group of size 1 are
+    skipped by callers, so model code runs unchanged in both cases."""
+
+    sizes: Dict[str, int]
+    rank: int = 0
+    mesh: Optional[object] = None
+    groups: Optional[Dict[str, object]] = None
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        return cls(sizes={a: 1 for a in AXES})
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, device_type: str = "cpu") -> "ParallelState":
+        """Create the mesh and every group. Collective: all ranks must call it together."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        world = dist.get_world_size()
+        if pp * dp * cp * tp != world:
+            raise ValueError(f"pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} != world size {world}")
+        rank = dist.get_rank()
+        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+        groups = {axis: mesh.get_group(axis) for axis in AXES}
+        combined = {
+            "dp_cp": group_ranks(sizes, ("dp", "cp")),  # gradient reduce
+            "model": group_ranks(sizes, ("pp", "tp")),  # one model replica: norms, overflow checks
+            "embedding": embedding_group_ranks(sizes),  # tied embedding grads
+        }
+        for name, all_groups in combined.items():
+            for members in all_groups:  # every rank creates every group, in the same order
+                group = dist.new_group(members)
+                if rank in members:
+                    groups[name] = group
+        return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups)
+
+    def group(self, name: str):
+        return None if self.groups is None else self.groups[name]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def coord(self, axis: str) -> int:
+        return coordinates(self.rank, self.sizes)[axis]
+
+    # Short names used throughout: the degrees and this rank's index along each axis.
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes["pp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def cp_size(self) -> int:
+        return self.sizes["cp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord("dp")
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp_cp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def __repr__(self) -> str:
+        coords = coordinates(self.rank, self.sizes)
+        return "ParallelState(" + ", ".join(f"{a}={coords[a]}/{self.sizes[a]}" for a in AXES) + ")"
+
+
+def device_for(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "gpu":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,27 @@
+"""Model FLOPs (Megatron's accounting) and throughput numbers.
+
+Training FLOPs per token are 3x the forward's (forward, and backward at twice the cost), counting
+matmuls only: per layer, the QKV, attention-output and MLP projections (2 FLOPs per multiply-add)
+and the two attention matmuls over the full sequence (Narayanan et al. 2021 count them unmasked);
+plus the LM head. For a plain GPT (ffn = 4h, no GQA) this is the paper's
+``72 B s l h^2 (1 + s / (6h) + V / (12 l h))``. Activation recompute is not counted: these are
+*model* FLOPs, so MFU does not reward recomputation.
+"""
+
+from __future__ import annotations
+
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+
+def model_flops_per_token(cfg: TransformerConfig) -> float:
+    h, s, d = cfg.hidden_size, cfg.seq_length, cfg.kv_channels
+    qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    proj = 2 * cfg.num_attention_heads * d * h
+    mlp = 2 * h * cfg.ffn_hidden_size * (3 if cfg.activation == "swiglu" else 2)
+    attention = 2 * 2 * s * cfg.num_attention_heads * d
+    head = 2 * h * cfg.padded_vocab_size
+    return 3.0 * (cfg.num_layers * (qkv + proj + mlp + attention) + head)
+
+
+def model_flops_per_step(cfg: TransformerConfig, global_batch_size: int) -> float:
+    return model_flops_per_token(cfg) * global_batch_size * cfg.seq_length

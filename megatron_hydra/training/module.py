@@ -1,0 +1,121 @@
+"""The LightningModule: one ``training_step`` is one optimizer step over one global batch.
+
+The batch Lightning hands in is this data-parallel rank's share of the global batch
+(``num_microbatches x micro_batch_size`` samples). It is cut into micro-batches whose gradients
+accumulate; the strategy reduces them over data-parallel ranks (overlapped with the last
+micro-batch's backward) and clips them when the optimizer steps. The logged loss is the mean over
+the whole global batch, identical for every layout.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Dict
+
+import pytorch_lightning as pl
+import torch
+
+from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.models.init import init_weights
+from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.training.metrics import model_flops_per_step
+from megatron_hydra.training.schedules import lr_at
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    """Weight decay on matrices and embeddings only; never on biases and norm weights."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState):
+        super().__init__()
+        self.automatic_optimization = False
+        self.cfg, self.derived, self.ps = cfg, derived, ps
+        tcfg = derived.transformer
+        self.model = GPTModel(tcfg, ps)
+        init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
+        self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
+        self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
+        self._step_start = None
+
+    # Loss ------------------------------------------------------------------------------------
+    def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss over the micro-batch's unmasked tokens."""
+        losses = self.model(batch["tokens"], batch["labels"])
+        mask = batch["loss_mask"].to(losses.dtype)
+        return (losses * mask).sum() / mask.sum()
+
+    def _microbatches(self, batch: Dict[str, torch.Tensor]):
+        n = self.derived.num_microbatches
+        return [dict(zip(batch, values)) for values in zip(*(v.chunk(n) for v in batch.values()))]
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        C.all_reduce(value, self.ps.dp_group)
+        return value / self.ps.dp_size
+
+    # Training --------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_start = time.perf_counter()
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        strategy = self.trainer.strategy
+        opt = self.optimizers()
+        strategy.zero_grad()
+        micro = self._microbatches(batch)
+        total = torch.zeros((), dtype=self.derived.transformer.params_dtype, device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with strategy.block_backward_sync() if not last else nullcontext():
+                loss = self.microbatch_loss(mb)
+                self.manual_backward(loss / len(micro))
+            total += loss.detach()
+        step = self.trainer.global_step
+        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        self._log_step(self._dp_mean(total / len(micro)), lr, strategy.last_grad_norm, step)
+
+    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm, step: int) -> None:
+        elapsed = time.perf_counter() - self._step_start
+        world = self.derived.world_size
+        consumed = (step + 1) * self.cfg.data.global_batch_size
+        metrics = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.tokens_per_step / elapsed,
+            "tflops_per_rank": self.flops_per_step / elapsed / world / 1e12,
+            "consumed_samples": float(consumed),
+        }
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank"),
+                     on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    # Validation ------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_losses = []
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        losses = torch.stack([self.microbatch_loss(mb) for mb in self._microbatches(batch)])
+        self._val_losses.append(self._dp_mean(losses.mean()))
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_losses:
+            loss = torch.stack(self._val_losses).mean()
+            self.log("val_loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
+            self.log("val_ppl", loss.exp(), rank_zero_only=True, batch_size=1)
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        return torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
+                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)

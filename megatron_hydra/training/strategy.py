@@ -1,0 +1,144 @@
+"""MegatronStrategy: Lightning's view of a rank in a (pp, dp, cp, tp) grid.
+
+The process group already exists when Lightning starts (our launcher, torchrun or SLURM created
+it), so the strategy launches nothing and wraps nothing: it exposes the ranks to Lightning,
+attaches the data-parallel gradient buffer to the model's parameters, and completes the gradient
+reduction and clipping inside ``optimizer_step`` (so ``optimizer.step()`` in the training step
+always sees reduced, clipped gradients). How layers are sharded is not its concern: it only reads
+the tags the parallel layers put on parameters.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from pytorch_lightning.strategies import ParallelStrategy
+
+from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads
+from megatron_hydra.parallel.grad_clip import clip_grad_norm
+from megatron_hydra.parallel.state import ParallelState
+
+
+class _ProcessGroupEnvironment(ClusterEnvironment):
+    """Ranks as torch.distributed already knows them (or a single process)."""
+
+    def __init__(self, local_rank: int, node_rank: int):
+        self._local_rank, self._node_rank = local_rank, node_rank
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def node_rank(self) -> int:
+        return self._node_rank
+
+
+class MegatronStrategy(ParallelStrategy):
+    def __init__(self, parallel_state: ParallelState, device: torch.device, *, clip_grad: float,
+                 grad_bucket_size: int, local_rank: int = 0, node_rank: int = 0):
+        super().__init__(parallel_devices=[device],
+                         cluster_environment=_ProcessGroupEnvironment(local_rank, node_rank))
+        self.parallel_state = parallel_state
+        self.clip_grad = clip_grad
+        self.grad_bucket_size = grad_bucket_size
+        self.grad_buffer: Optional[GradBuffer] = None
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self._launcher = None
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.parallel_state.dp_size, "rank": self.parallel_state.dp_rank}
+
+    def setup_environment(self) -> None:
+        from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_group, self.grad_bucket_size)
+        return model
+
+    # Gradients ---------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the gradient buffer in place (the optimizer's zero_grad would drop the views)."""
+        self.grad_buffer.zero()
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Backward of a micro-batch that is not the last: accumulate, do not reduce yet."""
+        self.grad_buffer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.grad_buffer.sync_enabled = True
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        ps = self.parallel_state
+        self.grad_buffer.finish()
+        allreduce_sequence_parallel_grads(self.grad_buffer.params, ps.tp_group)
+        self.last_grad_norm = clip_grad_norm(self.grad_buffer.params, self.clip_grad, ps)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    # Collectives Lightning uses (metric sync, barriers) ------------------------------------------
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"):
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_world_size() == 1:
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        if reduce_op in ("mean", "avg"):
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src=src)
+        return objects[0]
+
+    def teardown(self) -> None:
+        self.grad_buffer = None
+        super().teardown()

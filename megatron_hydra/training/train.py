@@ -1,0 +1,126 @@
+"""Everything a rank does once the process group exists: mesh, data, model, Lightning Trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from omegaconf import OmegaConf
+from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.data.samplers import GlobalBatchSampler
+from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.parallel.state import ParallelState, device_for
+from megatron_hydra.training.module import GPTModule
+from megatron_hydra.training.strategy import MegatronStrategy
+
+log = logging.getLogger("megatron_hydra")
+
+
+def _setup_logging(run_dir: str, rank: int) -> None:
+    """Only rank 0 talks: INFO to the console and ``train.log``; other ranks warnings only."""
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*have no `val_dataloader`.*")
+    level = logging.INFO if rank == 0 else logging.WARNING
+    for name in ("megatron_hydra", "pytorch_lightning", "lightning", "lightning_fabric"):
+        logging.getLogger(name).setLevel(level)
+    root = logging.getLogger()
+    if rank == 0 and not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        # A spawned worker: Hydra's log handlers live in the launching process, not here.
+        os.makedirs(run_dir, exist_ok=True)
+        fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        for handler in (logging.FileHandler(os.path.join(run_dir, "train.log")), logging.StreamHandler()):
+            handler.setFormatter(fmt)
+            root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
+def _write_derived(run_dir: str, derived: Derived) -> None:
+    values = {k: v for k, v in derived.__dict__.items() if k != "transformer"}
+    values["transformer"] = {k: str(v) if isinstance(v, torch.dtype) else v
+                             for k, v in derived.transformer.__dict__.items()}
+    values["layers_per_stage"] = list(derived.layers_per_stage)
+    with open(os.path.join(run_dir, "derived.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(values)))
+
+
+def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState):
+    """Train (and, when validation is on, valid) loaders yielding this DP rank's share of each
+    global batch."""
+    seq, vocab = derived.transformer.seq_length, derived.transformer.vocab_size
+    steps = cfg.trainer.max_steps
+    val_steps = cfg.trainer.limit_val_batches * (steps // cfg.trainer.val_check_interval + 1) if cfg.trainer.val_check_interval else 0
+    gbs = cfg.data.global_batch_size
+    train_ds = SyntheticDataset(cfg.data.num_samples, seq, vocab, cfg.data.seed)
+    valid_ds = SyntheticDataset(max(val_steps * gbs, gbs), seq, vocab, cfg.data.seed + 1) if val_steps else None
+
+    def loader(ds, total):
+        sampler = GlobalBatchSampler(total, gbs, ps.dp_rank, ps.dp_size)
+        return DataLoader(ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+                          persistent_workers=cfg.data.num_workers > 0)
+
+    train = loader(train_ds, min(len(train_ds), steps * gbs))
+    valid = loader(valid_ds, len(valid_ds)) if valid_ds is not None else None
+    return train, valid
+
+
+class _ProgressBar(TQDMProgressBar):
+    def get_metrics(self, trainer, pl_module):
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+
+def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, rank: int) -> pl.Trainer:
+    loggers = [
+        TensorBoardLogger(cfg.run_dir, name="", version="tensorboard", default_hp_metric=False),
+        CSVLogger(cfg.run_dir, name="", version="csv"),
+    ]
+    val = cfg.trainer.val_check_interval
+    return pl.Trainer(
+        accelerator="gpu" if cfg.trainer.accelerator == "gpu" else "cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=cfg.trainer.max_steps,
+        logger=loggers,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        enable_progress_bar=cfg.trainer.enable_progress_bar and rank == 0,
+        enable_model_summary=rank == 0,
+        callbacks=[_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else [],
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        val_check_interval=val if val else None,
+        limit_val_batches=cfg.trainer.limit_val_batches if val else 0,
+        check_val_every_n_epoch=None if val else 1,
+        default_root_dir=cfg.run_dir,
+        precision="64-true" if derived.transformer.params_dtype == torch.float64 else "32-true",
+    )
+
+
+def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
+    rank = torch.distributed.get_rank()
+    _setup_logging(cfg.run_dir, rank)
+    device = device_for(cfg.trainer.accelerator, local_rank)
+    ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type)
+    if rank == 0:
+        _write_derived(cfg.run_dir, derived)
+        log.info("layout: world=%d tp=%d pp=%d dp=%d, %d micro-batches of %d per step",
+                 derived.world_size, derived.tp, derived.pp, derived.dp, derived.num_microbatches,
+                 cfg.data.micro_batch_size)
+    # Same seed on every DP replica; Megatron offsets it per pipeline stage.
+    pl.seed_everything(cfg.seed + 100 * ps.pp_rank, workers=True, verbose=False)
+    module = GPTModule(cfg, derived, ps)
+    strategy = MegatronStrategy(ps, device, clip_grad=cfg.optim.clip_grad, grad_bucket_size=cfg.parallel.grad_bucket_size,
+                                local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
+    train_loader, valid_loader = build_dataloaders(cfg, derived, ps)
+    trainer = build_trainer(cfg, derived, strategy, rank)
+    trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)

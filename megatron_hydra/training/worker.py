@@ -1,0 +1,81 @@
+"""One rank: join the process group, train, leave cleanly.
+
+``python -m megatron_hydra.training.worker CONFIG`` is what the local launcher spawns per rank;
+torchrun/SLURM workers and single-process runs call ``run_worker`` directly. A worker that fails
+writes ``rank<N>.error`` into the run dir (one line, then the traceback) so the launcher can name
+the error without a wall of tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.errors import MegatronHydraError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(cfg: RunConfig) -> None:
+    if "MASTER_ADDR" not in os.environ:  # a single process started without any launcher
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if cfg.trainer.accelerator == "gpu" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
+
+
+def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_size: int) -> None:
+    from megatron_hydra.training.train import train
+
+    if cfg.trainer.accelerator == "cpu":
+        torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local_world_size))
+    init_process_group(cfg)
+    try:
+        train(cfg, derived, local_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(run_dir: str, rank: int, exc: BaseException) -> None:
+    if isinstance(exc, MegatronHydraError):
+        line = str(exc)
+    else:
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"rank{rank}.error"), "w") as f:
+        f.write(line + "\n")
+        f.write("".join(traceback.format_exception(exc)))
+    print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> None:
+    from megatron_hydra.launcher import read_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = read_config(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    code = 0
+    try:
+        run_worker(cfg, derive(cfg), int(os.environ.get("LOCAL_RANK", "0")),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher as one line
+        _report(cfg.run_dir, rank, exc)
+        code = 2 if isinstance(exc, MegatronHydraError) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo workers that used point-to-point ops can abort there.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
