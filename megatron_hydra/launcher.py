@@ -117,7 +117,7 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=derived.world_size,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",

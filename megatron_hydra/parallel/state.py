@@ -93,7 +93,9 @@ class ParallelState:
         return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups)
 
     def group(self, name: str):
-        return None if self.groups is None else self.groups[name]
+        """The named group of this rank; ``None`` without process groups, or for the embedding
+        group on a middle pipeline stage (which holds no embedding)."""
+        return None if self.groups is None else self.groups.get(name)
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]

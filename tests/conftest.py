@@ -1,0 +1,92 @@
+"""Shared test helpers: compose configs as launch.py does, run training, start gloo ranks."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import pytest
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A model small enough that a multi-rank run of 10 steps takes seconds on 2 cores.
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+    "model.vocab_size=500", "data.micro_batch_size=2", "data.global_batch_size=8",
+    "optim.warmup_steps=2", "trainer.enable_progress_bar=false",
+]
+
+
+def compose_config(overrides: List[str] = (), run_dir: str = "unused"):
+    """The typed RunConfig that ``launch.py`` would get for these command-line overrides."""
+    from megatron_hydra.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+def run_training(overrides: List[str], run_dir: Path) -> List[Dict[str, float]]:
+    """Run the full launch path (config -> launcher -> workers -> Lightning); return rank 0's
+    logged metrics, one dict per logged step."""
+    from megatron_hydra.launcher import run
+
+    run(compose_config(list(overrides), str(run_dir)))
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> List[Dict[str, float]]:
+    with open(Path(run_dir) / "csv" / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        queue.put((rank, result))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
+    ``fn`` must be a module-level function of a test module (it is pickled by reference)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank_entry, args=(fn, world, free_port(), args, queue), nprocs=world,
+                       start_method="spawn", join=True)
+    results = {}
+    while not queue.empty():
+        rank, value = queue.get()
+        results[rank] = value
+    return results
+
+
+def launch_cmd(*overrides: str) -> List[str]:
+    return [sys.executable, str(ROOT / "launch.py"), *overrides]
+
+
+@pytest.fixture
+def env_no_launcher():
+    """Environment of a plain shell: no torchrun or SLURM variables from the test runner."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return env

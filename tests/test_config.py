@@ -1,0 +1,130 @@
+"""Config composition, derivation, and every validation error a user can hit before launch."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from conftest import CONF, compose_config, launch_cmd
+from megatron_hydra.config import derive
+from megatron_hydra.errors import ConfigError
+
+GROUP_OPTIONS = [(group.name, f.stem) for group in sorted(CONF.iterdir()) if group.is_dir()
+                 for f in sorted(group.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_config_file_composes(group, option):
+    cfg = compose_config([f"{group}={option}"])
+    assert getattr(cfg, group).name == option
+
+
+def test_published_shapes_derive():
+    # Llama 3 8B: 32 heads, 8 KV groups, 128-d heads, SwiGLU 14336, untied, vocab padded for tp=1.
+    d = derive(compose_config(["model=llama3_8b"])).transformer
+    assert (d.num_query_groups, d.kv_channels, d.ffn_hidden_size, d.padded_vocab_size) == (8, 128, 14336, 128256)
+    d = derive(compose_config(["model=gpt_175b"])).transformer
+    assert (d.kv_channels, d.ffn_hidden_size, d.padded_vocab_size) == (128, 4 * 12288, 50304)
+
+
+def test_derived_values():
+    cfg = compose_config(["trainer.devices=4", "data.micro_batch_size=2", "data.global_batch_size=32"])
+    d = derive(cfg)
+    assert (d.world_size, d.dp, d.num_microbatches) == (4, 4, 4)
+    assert d.layers_per_stage == (cfg.model.num_layers,)
+    # swiglu's default ffn: 8h/3 rounded up to a multiple of 256.
+    d = derive(compose_config(["model.activation=swiglu", "model.hidden_size=1000", "model.num_attention_heads=8"]))
+    assert d.transformer.ffn_hidden_size == 256 * math.ceil(int(8000 / 3) / 256) == 2816
+
+
+def test_padded_vocab_is_multiple_of_128_times_tp():
+    from megatron_hydra.config.derive import padded_vocab_size
+
+    for vocab in (1, 127, 128, 50257, 128256):
+        for tp in (1, 2, 4, 8):
+            padded = padded_vocab_size(vocab, 128, tp)
+            assert padded % (128 * tp) == 0 and vocab <= padded < vocab + 128 * tp
+
+
+def test_command_line_override_reaches_the_config():
+    cfg = compose_config(["optim.lr=0.123", "model.hidden_size=96", "trainer.devices=3"])
+    assert (cfg.optim.lr, cfg.model.hidden_size, cfg.trainer.devices) == (0.123, 96, 3)
+
+
+@pytest.mark.parametrize("override,error", [
+    ("model.hiden_size=3", ConfigKeyError),  # misspelled key
+    ("model.num_layers=four", ValidationError),  # wrong type
+    ("trainer.devices=1.5", ValidationError),
+])
+def test_schema_rejects_at_compose_time(override, error):
+    with pytest.raises((ConfigCompositionException, error)):
+        compose_config([override])
+
+
+BAD = [
+    (["trainer.devices=0"], "trainer.devices"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),
+    (["parallel.tensor_parallel_size=0"], "parallel.tensor_parallel_size"),
+    (["parallel.context_parallel_size=2", "trainer.devices=2"], "parallel.context_parallel_size"),
+    (["trainer.devices=3", "parallel.pipeline_parallel_size=2"], "trainer.devices"),
+    (["model.num_attention_heads=6", "model.hidden_size=60", "model.num_query_groups=4"], "model.num_query_groups"),
+    (["model.hidden_size=250"], "model.hidden_size"),
+    (["model.num_layers=3", "parallel.layers_per_stage=[1,1]"], "parallel.layers_per_stage"),
+    (["data.global_batch_size=10", "data.micro_batch_size=4"], "data.global_batch_size"),
+    (["data.micro_batch_size=0"], "data.micro_batch_size"),
+    (["parallel.virtual_pipeline_size=2"], "parallel.virtual_pipeline_size"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["model.position_embedding=alibi"], "model.position_embedding"),
+    (["model.normalization=batchnorm"], "model.normalization"),
+    (["model.activation=relu"], "model.activation"),
+    (["precision.params_dtype=int8"], "precision.params_dtype"),
+    (["optim.lr_schedule=step"], "optim.lr_schedule"),
+    (["optim.lr=0.001", "optim.min_lr=0.01"], "optim.min_lr"),
+    (["optim.warmup_steps=500", "trainer.max_steps=100"], "optim.warmup_steps"),
+    (["model.hidden_dropout=1.0"], "model.hidden_dropout"),
+    (["model.seq_length=512", "model.max_position_embeddings=256"], "model.max_position_embeddings"),
+    (["model.position_embedding=rope", "model.kv_channels=33"], "model.kv_channels"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator"),
+    (["trainer.num_nodes=2"], None),  # needs an external launcher: checked in preflight below
+    (["model.ffn_hidden_size=0"], "model.ffn_hidden_size"),
+    (["optim.clip_grad=-1"], "optim.clip_grad"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", [b for b in BAD if b[1] is not None])
+def test_bad_config_raises_one_line_naming_the_key(overrides, key):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as info:
+        derive(cfg)
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+def test_multi_node_without_external_launcher_is_refused():
+    from megatron_hydra.launcher import preflight
+
+    cfg = compose_config(["trainer.num_nodes=2"])
+    with pytest.raises(ConfigError, match="trainer.num_nodes"):
+        preflight(cfg, derive(cfg), external=None)
+
+
+def test_external_world_size_must_match_config():
+    from megatron_hydra.launcher import ExternalLaunch, preflight
+
+    cfg = compose_config(["trainer.devices=2"])
+    with pytest.raises(ConfigError, match="trainer.devices"):
+        preflight(cfg, derive(cfg), ExternalLaunch("torchrun", 0, 0, 4, 4))
+
+
+def test_launch_py_prints_one_line_and_exits_2(tmp_path, env_no_launcher):
+    out = subprocess.run(launch_cmd("model.num_attention_heads=7", f"hydra.run.dir={tmp_path}"),
+                         capture_output=True, text=True, timeout=120, env=env_no_launcher)
+    assert out.returncode == 2
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert lines == [lines[-1]] and "model.num_attention_heads=7" in lines[-1]
+    assert "Traceback" not in out.stdout + out.stderr

@@ -1,0 +1,70 @@
+"""ParallelState: Megatron's rank order (tp innermost) for every factorisation of 8 ranks."""
+
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+
+from conftest import spawn_ranks
+from megatron_hydra.parallel.state import AXES, coordinates, embedding_group_ranks, group_ranks
+
+
+def factorisations(n: int):
+    return [dict(zip(AXES, f)) for f in product(range(1, n + 1), repeat=4) if f[0] * f[1] * f[2] * f[3] == n]
+
+
+def test_there_are_20_factorisations_of_8():
+    assert len(factorisations(8)) == 20
+
+
+@pytest.mark.parametrize("sizes", factorisations(8), ids=lambda s: "x".join(f"{a}{s[a]}" for a in AXES))
+def test_coordinates_follow_megatron_order(sizes):
+    # Independent reference: rank = ((pp * DP + dp) * CP + cp) * TP + tp.
+    for rank in range(8):
+        c = coordinates(rank, sizes)
+        assert ((c["pp"] * sizes["dp"] + c["dp"]) * sizes["cp"] + c["cp"]) * sizes["tp"] + c["tp"] == rank
+    # Every group partitions the ranks; members of a group differ only along its axes.
+    for axis in AXES:
+        groups = group_ranks(sizes, (axis,))
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        for g in groups:
+            assert len(g) == sizes[axis]
+            others = {tuple(v for a, v in coordinates(r, sizes).items() if a != axis) for r in g}
+            assert len(others) == 1
+
+
+def test_tp_groups_are_consecutive_ranks():
+    assert group_ranks({"pp": 2, "dp": 2, "cp": 1, "tp": 2}, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert group_ranks({"pp": 2, "dp": 2, "cp": 1, "tp": 2}, ("pp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert embedding_group_ranks({"pp": 4, "dp": 1, "cp": 1, "tp": 2}) == [[0, 6], [1, 7]]
+
+
+def _build_all(rank, world):
+    import torch.distributed as dist
+
+    from megatron_hydra.parallel.state import ParallelState
+
+    seen = []
+    for sizes in factorisations(world):
+        ps = ParallelState.build(tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"], cp=sizes["cp"])
+        row = {"coords": {a: ps.coord(a) for a in AXES}}
+        for name in ("tp", "pp", "dp", "cp", "dp_cp", "model", "embedding"):
+            group = ps.group(name)
+            row[name] = None if group is None else dist.get_process_group_ranks(group)
+        seen.append((sizes, row))
+    return seen
+
+
+def test_mesh_groups_on_8_gloo_ranks():
+    results = spawn_ranks(_build_all, 8)
+    assert sorted(results) == list(range(8))
+    for rank, seen in results.items():
+        for sizes, row in seen:
+            assert row["coords"] == coordinates(rank, sizes)
+            for axis in AXES:
+                assert row[axis] == next(g for g in group_ranks(sizes, (axis,)) if rank in g)
+            assert row["dp_cp"] == next(g for g in group_ranks(sizes, ("dp", "cp")) if rank in g)
+            assert row["model"] == next(g for g in group_ranks(sizes, ("pp", "tp")) if rank in g)
+            # Middle pipeline stages hold no embedding and belong to no embedding group.
+            assert row["embedding"] == next((g for g in embedding_group_ranks(sizes) if rank in g), None)
