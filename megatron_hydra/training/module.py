@@ -44,7 +44,7 @@ class GPTModule(pl.LightningModule):
         init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
-        self._step_start = None
+        self._last_step_end = None
 
     # Loss ------------------------------------------------------------------------------------
     def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -64,7 +64,8 @@ class GPTModule(pl.LightningModule):
 
     # Training --------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_start = time.perf_counter()
+        if self._last_step_end is None:
+            self._last_step_end = time.perf_counter()
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         strategy = self.trainer.strategy
@@ -86,7 +87,10 @@ class GPTModule(pl.LightningModule):
         self._log_step(self._dp_mean(total / len(micro)), lr, strategy.last_grad_norm, step)
 
     def _log_step(self, loss: torch.Tensor, lr: float, grad_norm, step: int) -> None:
-        elapsed = time.perf_counter() - self._step_start
+        # Wall time since the previous step ended: data loading, Lightning's loop and logging
+        # included, so tokens/s is what the whole run achieves, not just the model's math.
+        now = time.perf_counter()
+        elapsed, self._last_step_end = now - self._last_step_end, now
         world = self.derived.world_size
         consumed = (step + 1) * self.cfg.data.global_batch_size
         metrics = {
@@ -110,6 +114,7 @@ class GPTModule(pl.LightningModule):
         self._val_losses.append(self._dp_mean(losses.mean()))
 
     def on_validation_epoch_end(self) -> None:
+        self._last_step_end = None  # validation time is not training throughput
         if self._val_losses:
             loss = torch.stack(self._val_losses).mean()
             self.log("val_loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)

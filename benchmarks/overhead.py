@@ -1,0 +1,109 @@
+"""Overhead of the full launch path (Hydra config -> launcher -> Lightning + MegatronStrategy)
+against a bare PyTorch loop training the same model on the same batches with the same optimizer,
+both measured in this run; plus model TFLOP/s against this machine's measured matmul peak.
+
+    python benchmarks/overhead.py [model=gpt_tiny] [steps=20]
+
+Prints ratios; asserts nothing (machines are noisy: compare numbers from one run only).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from megatron_hydra.config import derive, register_configs
+from megatron_hydra.data.samplers import GlobalBatchSampler
+from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.launcher import run
+from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.models.init import init_weights
+from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.training.metrics import model_flops_per_step
+from megatron_hydra.training.module import param_groups
+from megatron_hydra.training.schedules import lr_at
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+WARMUP = 3  # steps excluded from timing on both sides (allocator and thread-pool warm-up)
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def bare_loop_step_times(cfg, derived, steps: int):
+    tcfg = derived.transformer
+    model = GPTModel(tcfg, ParallelState.single())
+    init_weights(model, tcfg, cfg.seed, 0, 1)
+    o = cfg.optim
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    gbs, nmb = cfg.data.global_batch_size, derived.num_microbatches
+    ds = SyntheticDataset(cfg.data.num_samples, tcfg.seq_length, tcfg.vocab_size, cfg.data.seed)
+    loader = DataLoader(ds, batch_sampler=GlobalBatchSampler(steps * gbs, gbs, 0, 1))
+    times, last = [], time.perf_counter()
+    for step, batch in enumerate(loader):
+        opt.zero_grad(set_to_none=False)
+        for mb in zip(*(v.chunk(nmb) for v in batch.values())):
+            mb = dict(zip(batch, mb))
+            losses = model(mb["tokens"], mb["labels"])
+            loss = (losses * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
+            (loss / nmb).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, o, cfg.trainer.max_steps)
+        opt.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times[WARMUP:]
+
+
+def main(argv):
+    args = dict(a.split("=", 1) for a in argv)
+    model, steps = args.get("model", "gpt_tiny"), int(args.get("steps", 20))
+    register_configs()
+    run_dir = tempfile.mkdtemp(prefix="overhead_")
+    overrides = [f"model={model}", f"trainer.max_steps={steps}", "optim.warmup_steps=2",
+                 "trainer.enable_progress_bar=false", f"run_dir={run_dir}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+    derived = derive(cfg)
+    torch.set_num_threads(torch.get_num_threads())
+    peak = matmul_peak_flops()
+
+    # Bare loop before and after the launch path, so drift in machine load hits both sides alike.
+    bare_before = bare_loop_step_times(cfg, derived, steps)
+    run(cfg)  # one process: the worker runs in this process, same threads as the bare loop
+    bare = bare_before + bare_loop_step_times(cfg, derived, steps)
+    import csv
+
+    with open(Path(run_dir) / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f)][WARMUP:]
+    tokens = cfg.data.global_batch_size * derived.transformer.seq_length
+    ours_tps = statistics.median(float(r["tokens_per_s"]) for r in rows)
+    bare_tps = tokens / statistics.median(bare)
+    flops = model_flops_per_step(derived.transformer, cfg.data.global_batch_size)
+    print(f"model={model} seq={derived.transformer.seq_length} global_batch={cfg.data.global_batch_size} "
+          f"threads={torch.get_num_threads()} steps timed={len(rows)}")
+    print(f"bare PyTorch loop     : {bare_tps:10.1f} tokens/s")
+    print(f"launch path (Lightning): {ours_tps:10.1f} tokens/s")
+    print(f"overhead ratio (ours / bare): {ours_tps / bare_tps:.3f}   (target >= 0.95)")
+    model_flops = flops * ours_tps / tokens
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; model {model_flops / 1e9:.1f} GFLOP/s; CPU MFU {model_flops / peak:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
