@@ -157,6 +157,11 @@ def run(cfg: RunConfig) -> None:
         run_worker(cfg, derived, local_rank=external.local_rank, local_world_size=external.local_world_size)
         return
     if derived.world_size == 1:
+        # In this process; a fresh port per run, so multirun jobs never meet a stale store.
+        from megatron_hydra.training.worker import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
         run_worker(cfg, derived, local_rank=0, local_world_size=1)
         return
     _spawn_local(cfg, derived, config_path)

@@ -21,15 +21,14 @@ from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import MegatronHydraError
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def init_process_group(cfg: RunConfig) -> None:
-    if "MASTER_ADDR" not in os.environ:  # a single process started without any launcher
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    """env:// rendezvous: the variables come from our launcher, torchrun or SLURM."""
     backend = "nccl" if cfg.trainer.accelerator == "gpu" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
 
