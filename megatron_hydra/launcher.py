@@ -92,6 +92,14 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
             f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
             f"{cfg.trainer.devices}x{cfg.trainer.num_nodes} = {derived.world_size}: make them agree"
         )
+    if cfg.data.name != "synthetic" and (external is None or external.rank == 0):
+        # Build (or find cached) corpus and index arrays now: a bad file is a one-line DataError
+        # before any worker starts, and workers then only open caches.
+        from megatron_hydra.data.builders import build_datasets
+        from megatron_hydra.training.train import split_sizes
+
+        build_datasets(cfg.data, seq_length=derived.transformer.seq_length, seed=cfg.data.seed,
+                       num_samples=split_sizes(cfg), vocab_size=derived.transformer.vocab_size)
     if external is None and cfg.trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "

@@ -19,7 +19,7 @@ CONF = ROOT / "conf"
 
 # A model small enough that a multi-rank run of 10 steps takes seconds on 2 cores.
 SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+    "data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
     "model.vocab_size=500", "data.micro_batch_size=2", "data.global_batch_size=8",
     "optim.warmup_steps=2", "trainer.enable_progress_bar=false",
 ]

@@ -28,9 +28,9 @@ CHOICES = {
     "optim.lr_schedule": ("cosine", "linear", "constant"),
     "optim.name": ("adamw",),
     "trainer.accelerator": ("cpu", "gpu"),
-    "data.name": ("synthetic",),
+    "data.name": ("synthetic", "demo", "indexed"),
     "mode": ("train",),
-    "parallel.pipeline_schedule": ("1f1b",),
+    "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
 }
 
 
@@ -108,10 +108,6 @@ def _parallel_degrees(cfg: RunConfig) -> Tuple[int, int, int, int, int]:
             f"trainer.devices x trainer.num_nodes = {world} ranks is not divisible by tensor x pipeline x context "
             f"parallel = {tp}x{pp}x{cp} = {model_parallel}: use a multiple of {model_parallel} ranks or smaller parallel sizes"
         )
-    if tp > 1:
-        raise ConfigError(f"parallel.tensor_parallel_size={tp}: tensor parallelism is not available yet; set it to 1")
-    if pp > 1:
-        raise ConfigError(f"parallel.pipeline_parallel_size={pp}: pipeline parallelism is not available yet; set it to 1")
     return world, tp, pp, cp, world // model_parallel
 
 
@@ -193,6 +189,41 @@ def _num_microbatches(cfg: RunConfig, dp: int) -> int:
     return global_batch // (micro * dp)
 
 
+def _check_pipeline(cfg: RunConfig, pp: int, vpp: int, dp: int, nmb: int) -> None:
+    """What torch.distributed.pipelining's schedules (parallel/pipeline.py) need of the layout."""
+    schedule, micro, gbs = cfg.parallel.pipeline_schedule, cfg.data.micro_batch_size, cfg.data.global_batch_size
+    if pp == 1:
+        return
+    if vpp > 1 and schedule == "1f1b":
+        raise ConfigError(
+            f"parallel.virtual_pipeline_size={vpp} needs parallel.pipeline_schedule=interleaved_1f1b, zero_bubble "
+            "or zbv (1f1b runs one stage per rank): change the schedule or set virtual_pipeline_size=null"
+        )
+    if schedule == "interleaved_1f1b" and vpp == 1:
+        raise ConfigError(
+            "parallel.pipeline_schedule=interleaved_1f1b needs parallel.virtual_pipeline_size >= 2: set it, "
+            "or use pipeline_schedule=1f1b"
+        )
+    if schedule == "zbv" and vpp != 2:
+        raise ConfigError(
+            f"parallel.pipeline_schedule=zbv runs exactly two stages per rank, got parallel.virtual_pipeline_size={vpp}: "
+            "set virtual_pipeline_size=2"
+        )
+    if nmb < pp:
+        raise ConfigError(
+            f"data.global_batch_size={gbs} gives {nmb} micro-batches per pipeline (global_batch_size / "
+            f"(data.micro_batch_size x dp) = {gbs}/({micro}x{dp})), fewer than parallel.pipeline_parallel_size={pp}: "
+            f"raise global_batch_size to at least {pp * micro * dp} or lower micro_batch_size"
+        )
+    if schedule in ("interleaved_1f1b", "zero_bubble") and nmb % max(1, nmb // pp):
+        # torch runs the micro-batches in rounds of n // rounds, rounds = max(1, n // pp).
+        raise ConfigError(
+            f"data.global_batch_size={gbs} gives {nmb} micro-batches, which parallel.pipeline_schedule={schedule} "
+            f"cannot split into equal rounds of about pipeline_parallel_size={pp}: use a global_batch_size that "
+            f"gives a multiple of {pp} micro-batches (a multiple of {pp * micro * dp})"
+        )
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron pads the vocabulary so that each tensor-parallel shard is a multiple of
     ``divisible_by`` (fast matmul shapes, equal shards)."""
@@ -223,6 +254,7 @@ def derive(cfg: RunConfig) -> Derived:
     ffn = _ffn_size(cfg, tp)
     layers = _layers_per_stage(cfg, pp, vpp)
     nmb = _num_microbatches(cfg, dp)
+    _check_pipeline(cfg, pp, vpp, dp, nmb)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(

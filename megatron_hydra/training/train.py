@@ -14,8 +14,9 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
-from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.module import GPTModule
 from megatron_hydra.training.strategy import MegatronStrategy
@@ -52,24 +53,30 @@ def _write_derived(run_dir: str, derived: Derived) -> None:
         f.write(OmegaConf.to_yaml(OmegaConf.create(values)))
 
 
+def split_sizes(cfg: RunConfig) -> tuple:
+    """Samples each split must provide: every step's global batch, and the first
+    ``limit_val_batches`` global batches of the valid split (the same ones at each validation,
+    so validation losses are comparable along the run)."""
+    gbs = cfg.data.global_batch_size
+    valid = cfg.trainer.limit_val_batches * gbs if cfg.trainer.val_check_interval else 0
+    return (cfg.trainer.max_steps * gbs, valid, 0)
+
+
 def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState):
     """Train (and, when validation is on, valid) loaders yielding this DP rank's share of each
     global batch."""
-    seq, vocab = derived.transformer.seq_length, derived.transformer.vocab_size
-    steps = cfg.trainer.max_steps
-    val_steps = cfg.trainer.limit_val_batches * (steps // cfg.trainer.val_check_interval + 1) if cfg.trainer.val_check_interval else 0
-    gbs = cfg.data.global_batch_size
-    train_ds = SyntheticDataset(cfg.data.num_samples, seq, vocab, cfg.data.seed)
-    valid_ds = SyntheticDataset(max(val_steps * gbs, gbs), seq, vocab, cfg.data.seed + 1) if val_steps else None
+    tcfg = derived.transformer
+    sizes = split_sizes(cfg)
+    train_ds, valid_ds, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
+                                           num_samples=sizes, vocab_size=tcfg.vocab_size)
 
     def loader(ds, total):
-        sampler = GlobalBatchSampler(total, gbs, ps.dp_rank, ps.dp_size)
+        sampler = GlobalBatchSampler(total, cfg.data.global_batch_size, ps.dp_rank, ps.dp_size)
         return DataLoader(ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
                           persistent_workers=cfg.data.num_workers > 0)
 
-    train = loader(train_ds, min(len(train_ds), steps * gbs))
-    valid = loader(valid_ds, len(valid_ds)) if valid_ds is not None else None
-    return train, valid
+    valid = loader(valid_ds, min(len(valid_ds), sizes[1])) if valid_ds is not None and sizes[1] else None
+    return loader(train_ds, sizes[0]), valid
 
 
 class _ProgressBar(TQDMProgressBar):
@@ -116,8 +123,11 @@ def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
         log.info("layout: world=%d tp=%d pp=%d dp=%d, %d micro-batches of %d per step",
                  derived.world_size, derived.tp, derived.pp, derived.dp, derived.num_microbatches,
                  cfg.data.micro_batch_size)
-    # Same seed on every DP replica; Megatron offsets it per pipeline stage.
-    pl.seed_everything(cfg.seed + 100 * ps.pp_rank, workers=True, verbose=False)
+    # Same seed on every DP replica; Megatron offsets it per pipeline stage. The default generator
+    # is the same on every TP rank (replicated dropout); the TP-sharded stream differs per TP rank.
+    seed = cfg.seed + 100 * ps.pp_rank
+    pl.seed_everything(seed, workers=True, verbose=False)
+    seed_model_parallel(seed, ps.tp_rank)
     module = GPTModule(cfg, derived, ps)
     strategy = MegatronStrategy(ps, device, clip_grad=cfg.optim.clip_grad, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))

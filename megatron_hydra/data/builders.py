@@ -1,0 +1,161 @@
+"""The data layer's single entry point: a ``DataConfig`` in, train/valid/test datasets out.
+
+``build_datasets`` resolves the corpus (``demo``: built on first use; ``indexed``: the
+``data.blend`` prefixes), checks it against the model before any step runs, splits each corpus
+by documents, and wraps each split in a ``GPTDataset`` (blended when there are several corpora).
+Everything here is deterministic from the arguments, so every rank builds the same datasets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from megatron_hydra.data import demo
+from megatron_hydra.data.blending import BlendedDataset
+from megatron_hydra.data.gpt_dataset import GPTDataset, default_cache_dir
+from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.data.tokenizers import Tokenizer, build_tokenizer
+from megatron_hydra.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+SPLIT_NAMES = ("train", "valid", "test")
+# Below this many tokens the whole file is checked against the vocabulary; above, a sample.
+_FULL_CHECK_TOKENS = 1 << 24
+_CHECKED_SEQUENCES = 1024
+
+
+def parse_blend(blend: Optional[Sequence[Any]]) -> List[Tuple[float, str]]:
+    """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> [(weight, prefix)], weights summing to 1."""
+    example = "e.g. data.blend=[data/corpus_text_document] or [0.7,data/a_text_document,0.3,data/b_text_document]"
+    items = list(blend) if blend is not None else []
+    if not items:
+        raise DataError(f"data.blend is empty: name the .bin/.idx prefixes to train on, {example}")
+    if len(items) == 1:
+        items = [1.0] + items
+    if len(items) % 2:
+        raise DataError(f"data.blend={items}: expected one prefix or weight/prefix pairs, {example}")
+    pairs = []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weight = float(w)
+        except (TypeError, ValueError):
+            weight = float("nan")
+        if isinstance(w, bool) or not np.isfinite(weight) or weight <= 0:
+            raise DataError(f"data.blend: weight {w!r} (before {p!r}) is not a positive number, {example}")
+        if not isinstance(p, str) or not p:
+            raise DataError(f"data.blend: {p!r} (after weight {w!r}) is not a path prefix, {example}")
+        pairs.append((weight, os.path.abspath(os.path.expanduser(re.sub(r"\.(bin|idx)$", "", p)))))
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs]
+
+
+def parse_split(split) -> List[float]:
+    """``"969,30,1"`` or ``[969, 30, 1]`` -> three proportions (missing ones are 0); ``/`` works
+    as a separator too."""
+    if not isinstance(split, str):
+        split = ",".join(str(v) for v in split)
+    parts = [s.strip() for s in re.split(r"[,/]", str(split)) if s.strip()]
+    try:
+        values = [float(s) for s in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
+        raise ConfigError(f"data.split={split!r}: give up to three non-negative train,valid,test "
+                          f"proportions with a positive sum, e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def split_documents(num_documents: int, proportions: Sequence[float]) -> List[np.ndarray]:
+    """Contiguous, disjoint document ranges covering all documents, one per split."""
+    bounds = np.round(np.cumsum([0.0] + list(proportions)) * num_documents).astype(np.int64)
+    bounds[-1] = num_documents
+    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(len(proportions))]
+
+
+def check_vocab(ds: IndexedDataset, vocab_size: int) -> None:
+    """Token ids outside ``[0, vocab_size)`` would index past the embedding table mid-run (or
+    silently on some devices); find them now, naming the file."""
+    path = ds.prefix + ".bin"
+    if ds.dtype.kind not in "iu":
+        raise DataError(f"{path}: tokens are {ds.dtype}, not integers; re-create it with preprocess")
+    if ds.num_tokens == 0:
+        return
+    if ds.num_tokens <= _FULL_CHECK_TOKENS:
+        lo, hi = int(ds.tokens.min()), int(ds.tokens.max())
+    else:
+        picks = np.unique(np.linspace(0, len(ds) - 1, _CHECKED_SEQUENCES).astype(np.int64))
+        parts = [ds.get(int(i), 0, min(int(ds.sequence_lengths[i]), 1 << 16)) for i in picks]
+        sample = np.concatenate(parts) if parts else np.zeros(0, ds.dtype)
+        lo, hi = (int(sample.min()), int(sample.max())) if len(sample) else (0, 0)
+    if hi >= vocab_size:
+        raise DataError(f"{path}: token id {hi} >= the model's vocabulary size {vocab_size}; set "
+                        f"model.vocab_size > {hi} or re-tokenize with a smaller vocabulary")
+    if lo < 0:
+        raise DataError(f"{path}: negative token id {lo}; the file is corrupt, re-create it")
+
+
+def _corpora(data_cfg) -> List[Tuple[float, str]]:
+    if data_cfg.name == "demo":
+        prefix, _ = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
+        return [(1.0, prefix)]
+    if data_cfg.name == "indexed":
+        return parse_blend(data_cfg.blend)
+    raise ConfigError(f"data.name={data_cfg.name!r}: build_datasets handles demo and indexed")
+
+
+def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[int, int, int],
+                   vocab_size: int) -> Tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
+    """Train, valid and test datasets with at least ``num_samples[i]`` items each (None for a
+    split with no documents or no samples requested). Call on every rank."""
+    if data_cfg.name == "synthetic":
+        return tuple(SyntheticDataset(max(n, 1), seq_length, vocab_size, seed + i) if n > 0 or i == 0 else None
+                     for i, n in enumerate(num_samples))
+    corpora = _corpora(data_cfg)
+    opened = [(w, IndexedDataset(p)) for w, p in corpora]
+    for _, ds in opened:
+        check_vocab(ds, vocab_size)
+        if ds.num_documents == 0 or ds.num_tokens == 0:
+            raise DataError(f"{ds.prefix}.bin: no tokens: the corpus is empty")
+    proportions = parse_split(data_cfg.split)
+    splits = [split_documents(ds.num_documents, proportions) for _, ds in opened]
+    cache = data_cfg.cache_dir if data_cfg.name == "indexed" else None
+    out: List[Optional[Dataset]] = []
+    for s, name in enumerate(SPLIT_NAMES):
+        parts = [(w, ds, docs[s]) for (w, ds), docs in zip(opened, splits) if len(docs[s])]
+        if num_samples[s] <= 0 or not parts:
+            if s == 0:
+                raise DataError(f"{opened[0][1].prefix}: the train split is empty "
+                                f"(data.split={data_cfg.split!r}, num_samples={num_samples[0]})")
+            out.append(None)
+            continue
+        if len(parts) < len(opened):
+            log.warning("%s split: %d of %d blended corpora have no documents in it and are left out",
+                        name, len(opened) - len(parts), len(opened))
+        weights = [w for w, _, _ in parts]
+        sizes = [num_samples[s]] if len(parts) == 1 else BlendedDataset.required_sizes(weights, num_samples[s])
+        datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name)
+                    for (_, ds, docs), n in zip(parts, sizes)]
+        out.append(datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples[s]))
+    return out[0], out[1], out[2]
+
+
+def build_tokenizer_for(data_cfg) -> Tokenizer:
+    """The tokenizer that produced the corpus of ``data_cfg``, e.g. to decode samples."""
+    if data_cfg.name == "demo":
+        _, tok_cfg = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
+        return build_tokenizer(tok_cfg)
+    tok_cfg = data_cfg.tokenizer
+    if data_cfg.name == "indexed" and tok_cfg.type == "bpe" and not tok_cfg.path:
+        # preprocess saved it as OUTPUT_PREFIX_tokenizer.json beside OUTPUT_PREFIX_KEY_document.*
+        prefix = parse_blend(data_cfg.blend)[0][1]
+        guess = re.sub(r"_[^_/\\]+_document$", "", prefix) + "_tokenizer.json"
+        return build_tokenizer(tok_cfg, save_path=guess)
+    return build_tokenizer(tok_cfg)
