@@ -40,6 +40,12 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
         torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local_world_size))
     init_process_group(cfg)
     try:
+        if dist.get_world_size() > 1:
+            # Under torchrun/srun every rank composed its own Hydra config, and a timestamped
+            # output dir can differ by a second between ranks: rank 0's dir is the run's.
+            shared = [cfg.run_dir]
+            dist.broadcast_object_list(shared, src=0)
+            cfg.run_dir = shared[0]
         train(cfg, derived, local_rank)
     finally:
         dist.destroy_process_group()
