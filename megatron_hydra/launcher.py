@@ -135,8 +135,17 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
     try:
         elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        raise WorkerFailed(f"rank {rank} failed: {failure_summary(cfg.run_dir, rank, failure.exitcode)}") from None
+        rank = root_cause_rank(cfg.run_dir, e.failures)
+        summary = failure_summary(cfg.run_dir, rank, e.failures[rank].exitcode)
+        raise WorkerFailed(f"rank {rank} failed: {summary}") from None
+
+
+def root_cause_rank(run_dir: str, failures: Dict[int, object]) -> int:
+    """When one rank dies, its peers then fail in their collectives; the root cause is the rank
+    that wrote its error file first (a rank killed by a signal writes none)."""
+    written = {r: os.stat(p).st_mtime_ns for r in failures
+               if os.path.exists(p := os.path.join(run_dir, f"rank{r}.error"))}
+    return min(written, key=written.get) if written else min(failures)
 
 
 def failure_summary(run_dir: str, rank: int, exitcode: int) -> str:

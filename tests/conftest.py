@@ -64,19 +64,28 @@ def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> 
         queue.put((rank, result))
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown: gloo ranks that used point-to-point ops can abort there (DESIGN.md
+    # section 7). The result is already in the pipe: SimpleQueue writes synchronously.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
     ``fn`` must be a module-level function of a test module (it is pickled by reference)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_entry, args=(fn, world, free_port(), args, queue), nprocs=world,
-                       start_method="spawn", join=True)
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_rank_entry, args=(fn, world, free_port(), args, queue), nprocs=world,
+                               start_method="spawn", join=False)
     results = {}
-    while not queue.empty():
-        rank, value = queue.get()
-        results[rank] = value
+    done = False
+    while not done:
+        # Drain while waiting: a rank's put blocks once its result fills the pipe (64 KiB), so
+        # reading only after join would deadlock on larger results.
+        done = procs.join(timeout=0.05)
+        while not queue.empty():
+            rank, value = queue.get()
+            results[rank] = value
     return results
 
 

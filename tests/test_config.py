@@ -41,6 +41,20 @@ def test_derived_values():
     assert d.transformer.ffn_hidden_size == 256 * math.ceil(int(8000 / 3) / 256) == 2816
 
 
+def test_pipeline_layout_derives():
+    # tp2 x pp2 on 8 ranks -> dp2; 4 virtual stages of 2 layers; 16 / (2 x 2) = 4 micro-batches.
+    d = derive(compose_config(["parallel=tp2_pp2", "trainer.devices=8", "model.num_layers=8", "data.micro_batch_size=2",
+                               "data.global_batch_size=16", "parallel.virtual_pipeline_size=2",
+                               "parallel.pipeline_schedule=interleaved_1f1b"]))
+    assert (d.tp, d.pp, d.dp, d.vpp, d.num_microbatches) == (2, 2, 2, 2, 4)
+    assert d.layers_per_stage == (2, 2, 2, 2)
+    d = derive(compose_config(["parallel=pp2", "trainer.devices=2", "parallel.layers_per_stage=[1,3]"]))
+    assert d.layers_per_stage == (1, 3)
+    # torch's looped schedules take any multiple of the rounds: 6 micro-batches on pp=4 is one round.
+    derive(compose_config(["parallel=pp4", "trainer.devices=4", "parallel.pipeline_schedule=zero_bubble",
+                           "data.micro_batch_size=1", "data.global_batch_size=6"]))
+
+
 def test_padded_vocab_is_multiple_of_128_times_tp():
     from megatron_hydra.config.derive import padded_vocab_size
 
@@ -93,6 +107,21 @@ BAD = [
     (["trainer.num_nodes=2"], None),  # needs an external launcher: checked in preflight below
     (["model.ffn_hidden_size=0"], "model.ffn_hidden_size"),
     (["optim.clip_grad=-1"], "optim.clip_grad"),
+    # Pipeline parallelism (gpt_tiny has 4 layers; the default batch is 8 of 4 -> 2 micro-batches).
+    (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "model.num_layers=3"], "model.num_layers"),
+    (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.layers_per_stage=[1,2]"],
+     "parallel.layers_per_stage"),
+    (["trainer.devices=4", "parallel.pipeline_parallel_size=4"], "data.global_batch_size"),
+    (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=2"],
+     "parallel.pipeline_schedule"),
+    (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=interleaved_1f1b"],
+     "parallel.virtual_pipeline_size"),
+    (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=zbv"],
+     "parallel.virtual_pipeline_size"),
+    (["trainer.devices=4", "parallel.pipeline_parallel_size=4", "parallel.virtual_pipeline_size=2", "model.num_layers=8",
+      "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batch_size=1", "data.global_batch_size=9"],
+     "data.global_batch_size"),
+    (["parallel.pipeline_schedule=gpipe"], "parallel.pipeline_schedule"),
 ]
 
 

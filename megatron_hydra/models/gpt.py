@@ -5,6 +5,10 @@ hidden in the layers; a pipeline stage is this same class built with only its ra
 (``layers``) and with the embedding / head only where they belong (first / last stage). Blocks are
 keyed by their global index, so parameter names are the logical names of the whole model whatever
 the layout: ``layers.7.mlp.fc1.weight`` is the same tensor at any tp or pp.
+
+The vocabulary is padded to a multiple of 128 x tp, so the padding depends on the layout. Padded
+rows start at zero and their logits are masked out of the softmax, which makes the loss (and the
+sampled tokens) independent of how much padding there is.
 """
 
 from __future__ import annotations
@@ -12,14 +16,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.models.transformer import Block, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
-from megatron_hydra.parallel import mappings as M
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import VocabParallelEmbedding, _param, parallel_lm_logits
+from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -32,32 +35,49 @@ class GPTModel(nn.Module):
         layers = range(cfg.num_layers) if layers is None else layers
         if pre_process:
             self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ps.tp_group,
+                                                    sequence_parallel=cfg.sequence_parallel,
                                                     dtype=cfg.params_dtype, device=device)
             if cfg.position_embedding == "learned":
                 self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                        dtype=cfg.params_dtype, device=device)
+                # Under SP each rank looks up only its slice's positions: sum the grads over TP.
                 self.position_embedding.weight.tp_partition_dim = None
-                self.position_embedding.weight.sequence_parallel = False
+                self.position_embedding.weight.sequence_parallel = cfg.sequence_parallel
         self.layers = nn.ModuleDict({str(i): Block(cfg, ps, device) for i in layers})
         if post_process:
             self.final_norm = build_norm(cfg, device)
             if not cfg.tie_embeddings:
                 self.output_weight = _param((cfg.padded_vocab_size // ps.tp_size, cfg.hidden_size),
                                             cfg.params_dtype, device, 0)
+            elif not pre_process:
+                # A last pipeline stage keeps its own copy of the tied word embedding (Megatron's
+                # scheme): same logical name, so the same initial values; parallel.pipeline sums its
+                # grad with the first stage's, and grad clipping counts it once.
+                self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ps.tp_group,
+                                                        dtype=cfg.params_dtype, device=device)
+                self.embedding.weight.shared_embedding_copy = True
+        if cfg.tie_embeddings and (pre_process or post_process):
+            self.embedding.weight.shared_embedding = True
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.cfg.tie_embeddings else self.output_weight
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, hidden], or this rank's [batch, seq / tp, hidden] slice under SP."""
         x = self.embedding(tokens)
         if self.cfg.position_embedding == "learned":
-            x = x + self.position_embedding(torch.arange(tokens.shape[1], device=tokens.device))
-        x = F.dropout(x, self.cfg.hidden_dropout, self.training)
-        return M.scatter_to_sp(x, self.ps.tp_group) if self.cfg.sequence_parallel else x
+            start = self.ps.tp_rank * x.shape[1] if self.cfg.sequence_parallel else 0
+            x = x + self.position_embedding(torch.arange(start, start + x.shape[1], device=tokens.device))
+        return dropout(x, self.cfg.hidden_dropout, self.training, sharded=self.cfg.sequence_parallel)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of this TP rank's vocabulary shard, [batch, seq, padded_vocab / tp]."""
-        return parallel_lm_logits(self.final_norm(x), self.lm_head_weight(), self.ps.tp_group, self.cfg.sequence_parallel)
+        """Logits of this TP rank's vocabulary shard, [batch, seq, padded_vocab / tp]; the padded
+        entries are -inf."""
+        logits = parallel_lm_logits(self.final_norm(x), self.lm_head_weight(), self.ps.tp_group, self.cfg.sequence_parallel)
+        first_padded = self.cfg.vocab_size - self.ps.tp_rank * logits.shape[-1]  # local index of id vocab_size
+        if first_padded < logits.shape[-1]:
+            logits[..., max(first_padded, 0):] = float("-inf")  # in place: linear keeps no output for backward
+        return logits
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.

@@ -4,7 +4,9 @@ Each parameter's full, logical tensor is drawn from a generator seeded by the ru
 parameter's logical name, then this rank keeps its TP shard. So the initial model is the same for
 every tp, pp and dp, and adding a layer never changes the draws of the others. Rules:
 weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2)
-normal(0, init_std / sqrt(2 * num_layers)); biases zero; norm weights one.
+normal(0, init_std / sqrt(2 * num_layers)); biases zero; norm weights one. Vocabulary tables draw
+only their ``vocab_size`` real rows; the padding rows (whose number depends on tp) are zero, so
+the real rows are the same whatever the padding.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from megatron_hydra.models.transformer_config import TransformerConfig
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
+VOCAB_TABLES = ("embedding.weight", "output_weight")  # [padded_vocab, hidden], vocab-parallel
 
 
 def _full_shape(p: torch.Tensor, tp_size: int):
@@ -34,6 +37,9 @@ def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int) -> torch
         return torch.ones(shape)
     std = cfg.output_init_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    if name in VOCAB_TABLES:
+        real = torch.randn([cfg.vocab_size, *shape[1:]], generator=gen) * std
+        return torch.cat([real, real.new_zeros([shape[0] - cfg.vocab_size, *shape[1:]])])
     return torch.randn(shape, generator=gen) * std
 
 

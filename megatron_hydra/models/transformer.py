@@ -3,16 +3,24 @@
 Activations are ``[batch, sequence, hidden]``; under sequence parallelism the sequence dim holds
 this rank's slice between the attention and MLP regions. With TP=1 every parallel layer is a plain
 linear layer, so this reads as an ordinary GPT block.
+
+Dropout draws from the stream that matches its tensor's layout (``parallel.random``): attention
+probabilities belong to this rank's heads (the TP-sharded stream); the residual branch is
+replicated over TP (the default stream, identical on all TP ranks) unless sequence parallelism
+gives each rank its own slice of it (the sharded stream again).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.models.transformer_config import TransformerConfig
-from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -75,10 +83,10 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.cfg.attention_dropout if self.training else 0.0, is_causal=True,
-            enable_gqa=self.heads_per_group > 1,
-        )
+        p = self.cfg.attention_dropout if self.training else 0.0
+        with tp_rng(sharded=True) if p > 0 else nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=self.heads_per_group > 1)
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
@@ -89,14 +97,15 @@ class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
         super().__init__()
         common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
-        self.activation = cfg.activation
+        self.activation, self.tp_group, self.sequence_parallel = cfg.activation, ps.tp_group, cfg.sequence_parallel
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common)
         self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation == "swiglu" else None
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps.tp_group, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            h = F.silu(self.gate(x)) * self.fc1(x)
+        if self.activation == "swiglu":  # one entry into the TP region for both projections
+            x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+            h = F.silu(self.gate(x, input_entered=True)) * self.fc1(x, input_entered=True)
         else:
             h = F.gelu(self.fc1(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.fc2(h)
@@ -111,8 +120,8 @@ class Block(nn.Module):
         self.attention = Attention(cfg, ps, device)
         self.norm2 = build_norm(cfg, device)
         self.mlp = MLP(cfg, ps, device)
-        self.dropout = cfg.hidden_dropout
+        self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attention(self.norm1(x)), self.dropout, self.training)
-        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)
+        x = x + dropout(self.attention(self.norm1(x)), self.dropout, self.training, self.sequence_parallel)
+        return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training, self.sequence_parallel)

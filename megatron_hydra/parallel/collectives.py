@@ -29,6 +29,11 @@ class CommCounter:
 
 _counter: Optional[CommCounter] = None
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has
+# only the old names.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @contextmanager
 def count_comm() -> Iterator[CommCounter]:
@@ -67,7 +72,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
         _counter.add("all_gather", tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_into(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -80,7 +85,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
         _counter.add("reduce_scatter", tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    _reduce_scatter_into(out, moved, group=group)
     return out.movedim(0, dim)
 
 

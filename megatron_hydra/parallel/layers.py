@@ -35,11 +35,20 @@ def _shard(size: int, world: int, what: str) -> int:
     return size // world
 
 
+def enter_tp_region(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """The full input that every rank's column-parallel matmul reads: all-gathered from the
+    sequence slices (SP; backward reduce-scatter) or passed as is (backward all-reduce). Layers
+    that read the same input (SwiGLU's gate and up projections) must share one call: the backward
+    then reduces their summed gradient once instead of once per layer."""
+    return M.gather_from_sp(x, tp_group) if sequence_parallel else M.copy_to_tp(x, tp_group)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its output rows: each rank computes a slice of y.
 
     Input is the full activation (or, with sequence parallelism, this rank's sequence slice, which
     is all-gathered first); output is this rank's slice of the features unless ``gather_output``.
+    ``forward(x, input_entered=True)`` takes an input already passed through ``enter_tp_region``.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
@@ -52,8 +61,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((local_out, in_features), dtype, device, 0)
         self.bias = _param((local_out,), dtype, device, 0) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = M.gather_from_sp(x, self.tp_group) if self.sequence_parallel else M.copy_to_tp(x, self.tp_group)
+    def forward(self, x: torch.Tensor, input_entered: bool = False) -> torch.Tensor:
+        if not input_entered:
+            x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
         return M.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
@@ -81,12 +91,14 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary: rank r owns ids [r*V/tp, (r+1)*V/tp). Ids
-    outside the range look up nothing (zeros) and the partial lookups are summed over TP."""
+    outside the range look up nothing (zeros) and the partial lookups are summed over TP; with
+    sequence parallelism the sum is reduce-scattered, so each rank leaves with its sequence slice
+    (half the bytes of an all-reduce followed by a split)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, *,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = _shard(num_embeddings, C.group_size(tp_group), "num_embeddings")
         self.vocab_start = C.group_rank(tp_group) * local
@@ -97,11 +109,12 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return M.reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return M.reduce_scatter_to_sp(out, self.tp_group)
+        return M.reduce_from_tp(out, self.tp_group)
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
     """Logits of this rank's vocabulary shard from the (possibly tied) vocab-parallel weight."""
-    x = M.gather_from_sp(hidden, tp_group) if sequence_parallel else M.copy_to_tp(hidden, tp_group)
-    return F.linear(x, weight)
+    return F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)

@@ -5,6 +5,10 @@ The batch Lightning hands in is this data-parallel rank's share of the global ba
 accumulate; the strategy reduces them over data-parallel ranks (overlapped with the last
 micro-batch's backward) and clips them when the optimizer steps. The logged loss is the mean over
 the whole global batch, identical for every layout.
+
+With pipeline parallelism (pp > 1) ``self.model`` is a ``ModuleList`` of this rank's model chunks
+(one per virtual stage it holds, each a ``GPTModel`` keyed by logical layer names) and the
+micro-batches run through the pipeline schedule (``parallel.pipeline``) instead of the loop.
 """
 
 from __future__ import annotations
@@ -20,9 +24,30 @@ from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.metrics import model_flops_per_step
 from megatron_hydra.training.schedules import lr_at
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean loss over a micro-batch's unmasked tokens."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum()
+
+
+def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
+    """This pipeline rank's model chunks and their virtual stage indices, initialised from the
+    logical parameter names (the same values as the whole model at pp=1)."""
+    tcfg, per_stage = derived.transformer, derived.layers_per_stage
+    stages = stage_indices(ps.pp_rank, ps.pp_size, derived.vpp, cfg.parallel.pipeline_schedule)
+    chunks = []
+    for stage in stages:
+        chunk = GPTModel(tcfg, ps, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
+                         post_process=stage == len(per_stage) - 1)
+        init_weights(chunk, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
+        chunks.append(chunk)
+    return chunks, stages
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float):
@@ -40,8 +65,13 @@ class GPTModule(pl.LightningModule):
         self.automatic_optimization = False
         self.cfg, self.derived, self.ps = cfg, derived, ps
         tcfg = derived.transformer
-        self.model = GPTModel(tcfg, ps)
-        init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
+        self._pipeline, self._stages = None, None
+        if derived.pp > 1:
+            chunks, self._stages = build_stage_chunks(cfg, derived, ps)
+            self.model = torch.nn.ModuleList(chunks)
+        else:
+            self.model = GPTModel(tcfg, ps)
+            init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
         self._last_step_end = None
@@ -49,9 +79,15 @@ class GPTModule(pl.LightningModule):
     # Loss ------------------------------------------------------------------------------------
     def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss over the micro-batch's unmasked tokens."""
-        losses = self.model(batch["tokens"], batch["labels"])
-        mask = batch["loss_mask"].to(losses.dtype)
-        return (losses * mask).sum() / mask.sum()
+        return masked_mean(self.model(batch["tokens"], batch["labels"]), batch["loss_mask"])
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """Built on first use, once Lightning has moved the chunks to their device."""
+        if self._pipeline is None:
+            self._pipeline = Pipeline(list(self.model), self._stages, self.ps, self.cfg.parallel.pipeline_schedule,
+                                      self.derived.num_microbatches, masked_mean, self.device)
+        return self._pipeline
 
     def _microbatches(self, batch: Dict[str, torch.Tensor]):
         n = self.derived.num_microbatches
@@ -71,6 +107,22 @@ class GPTModule(pl.LightningModule):
         strategy = self.trainer.strategy
         opt = self.optimizers()
         strategy.zero_grad()
+        if self.derived.pp > 1:
+            # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
+            # ends: the data-parallel reduce then runs whole in the optimizer step (GradBuffer.finish).
+            with strategy.block_backward_sync():
+                loss = self.pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"])
+        else:
+            loss = self._accumulate(batch, strategy)
+        step = self.trainer.global_step
+        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        self._log_step(self._dp_mean(loss), lr, strategy.last_grad_norm, step)
+
+    def _accumulate(self, batch: Dict[str, torch.Tensor], strategy) -> torch.Tensor:
+        """pp = 1: forward and backward micro-batch by micro-batch; returns the mean loss."""
         micro = self._microbatches(batch)
         total = torch.zeros((), dtype=self.derived.transformer.params_dtype, device=self.device)
         for i, mb in enumerate(micro):
@@ -79,12 +131,7 @@ class GPTModule(pl.LightningModule):
                 loss = self.microbatch_loss(mb)
                 self.manual_backward(loss / len(micro))
             total += loss.detach()
-        step = self.trainer.global_step
-        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-        self._log_step(self._dp_mean(total / len(micro)), lr, strategy.last_grad_norm, step)
+        return total / len(micro)
 
     def _log_step(self, loss: torch.Tensor, lr: float, grad_norm, step: int) -> None:
         # Wall time since the previous step ended: data loading, Lightning's loop and logging
@@ -110,8 +157,11 @@ class GPTModule(pl.LightningModule):
         self._val_losses = []
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        losses = torch.stack([self.microbatch_loss(mb) for mb in self._microbatches(batch)])
-        self._val_losses.append(self._dp_mean(losses.mean()))
+        if self.derived.pp > 1:
+            loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"])
+        else:
+            loss = torch.stack([self.microbatch_loss(mb) for mb in self._microbatches(batch)]).mean()
+        self._val_losses.append(self._dp_mean(loss))
 
     def on_validation_epoch_end(self) -> None:
         self._last_step_end = None  # validation time is not training throughput

@@ -30,6 +30,8 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*have no `val_dataloader`.*")
+    # Validation metrics are reduced over data-parallel ranks before they are logged.
+    warnings.filterwarnings("ignore", message=".*It is recommended to use `self.log\\(.*sync_dist=True.*")
     level = logging.INFO if rank == 0 else logging.WARNING
     for name in ("megatron_hydra", "pytorch_lightning", "lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(level)

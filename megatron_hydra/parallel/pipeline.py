@@ -1,0 +1,192 @@
+"""Pipeline parallelism: which model stages a rank holds, and the schedule that runs them.
+
+Stages. The model is cut into ``pp x vpp`` virtual stages in model order (``Derived.layers_per_stage``
+gives the layers of each). With the looped schedules (Megatron's interleaving) chunk ``c`` of
+pipeline rank ``p`` is virtual stage ``c * pp + p``; with ZB-V (``zbv``) rank ``p`` holds stages
+``p`` and ``2 pp - 1 - p``, a V, so rank 0 holds both the first and the last stage.
+
+Schedules: ``torch.distributed.pipelining``. Its ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble`` (ZB1P) and ``ScheduleZBVZeroBubble`` drive our stage modules
+unchanged: a stage is a ``GPTModel`` built with its layers, taking one tensor (tokens or the
+previous stage's hidden state, this TP rank's sequence slice under sequence parallelism) and
+returning one. TP collectives inside a stage stay matched because every TP rank of a stage runs
+the same schedule in the same order; the zero-bubble split of backward into input- and
+weight-gradient passes keeps every collective on the input path (they sit between activations,
+weights are leaves). Point-to-point goes over ``ParallelState``'s ``pp`` group. Tests hold the
+result to the single-process run at 1e-9 in float64 for every schedule, with TP, sequence
+parallelism and DP around it, so writing our own schedules would only add code to maintain
+(DESIGN.md: PyTorch maintains them). Limits we inherit and check in ``config.derive``:
+1F1B needs ``num_microbatches >= pp``; the looped schedules need ``num_microbatches`` to be a
+multiple of ``max(1, num_microbatches // pp)`` (torch's "rounds"); ZB-V needs two stages per rank.
+Torch's 1F1B warms up with ``pp`` forwards on the first stage (Megatron: ``pp - 1``), so at most
+``pp`` micro-batches' activations live there at once. Two torch quirks are handled here: its
+point-to-point sends refuse strided tensors, which a sequence-parallel stage may output
+(``_Stage`` makes outputs and input grads contiguous); and its runtime schedules walk the backward
+actions even in ``eval()``, which fails for ZB-V, so evaluation runs a second schedule cut down to
+its forward actions.
+
+Loss. The last stage's module returns the per-token loss (labels reach every stage as a keyword
+argument; only the last uses them) and the schedule's ``loss_fn`` reduces it to the micro-batch's
+masked mean (``loss_mask`` is the schedule's target). With ``scale_grads`` the schedule divides
+the accumulated grads by the number of micro-batches, i.e. the loss is averaged over micro-batches
+as on the pp=1 path. The step's loss is summed over the pp group from the last stage (others add
+zero), so every rank, rank 0 included, holds it.
+
+Tied embeddings. The last stage holds its own copy of the word embedding (parameters tagged
+``shared_embedding``); after the schedule the copies' grads are summed over the ``embedding``
+group (first + last stage, Megatron's scheme), or locally when one rank holds both (ZB-V), so the
+copies receive identical updates and stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
+
+from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.state import ParallelState
+
+_FORWARD_ACTIONS = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+                    _ComputationType.UNSHARD, _ComputationType.RESHARD)
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def stage_indices(pp_rank: int, pp: int, vpp: int, schedule: str) -> List[int]:
+    """The virtual stages rank ``pp_rank`` holds, in the order of its chunks."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [chunk * pp + pp_rank for chunk in range(vpp)]
+
+
+def stage_layers(layers_per_stage: Sequence[int], stage: int) -> range:
+    """Global indices of the layers of virtual stage ``stage``."""
+    start = sum(layers_per_stage[:stage])
+    return range(start, start + layers_per_stage[stage])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class _Stage(nn.Module):
+    """A chunk as torch's ``PipelineStage`` needs it: point-to-point sends only contiguous tensors,
+    while a stage's output (or its input's gradient) may be a strided view, e.g. the result of a
+    sequence-parallel reduce-scatter."""
+
+    def __init__(self, chunk: nn.Module):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        if x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        return self.chunk(x, **kwargs).contiguous()
+
+
+class Pipeline:
+    """This rank's model chunks as pipeline stages, with one training and one evaluation schedule.
+
+    ``loss_fn(per_token_loss, loss_mask)`` reduces a micro-batch on the last stage. Setting
+    ``events`` to a list records every computation of the training schedule as
+    ``(stage, kind, micro-batch, start, end)`` with kind F (forward), B (backward), I and W (the
+    input- and weight-gradient halves of a zero-bubble backward), for tests and benchmarks."""
+
+    def __init__(self, chunks: Sequence[nn.Module], stages: Sequence[int], ps: ParallelState, schedule: str,
+                 num_microbatches: int, loss_fn: Callable, device: torch.device):
+        self.chunks, self.stages, self.ps = list(chunks), list(stages), ps
+        self.schedule_name, self.num_microbatches = schedule, num_microbatches
+        self.loss_fn, self.device = loss_fn, device
+        self.num_stages = ps.pp_size * len(self.chunks)
+        self.holds_last = self.num_stages - 1 in self.stages
+        self.events: Optional[list] = None
+        self._train = self._build(train=True)
+        self._eval = None  # built on first use: its stages keep their own (gradient-free) buffers
+        self.tied = [p for c in self.chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
+
+    def _build(self, train: bool):
+        stages = [PipelineStage(_Stage(chunk), index, self.num_stages, self.device, group=self.ps.pp_group)
+                  for chunk, index in zip(self.chunks, self.stages)]
+        for stage in stages if train else ():
+            self._instrument(stage)
+        cls = SCHEDULES[self.schedule_name]
+        first = stages[0] if cls is Schedule1F1B else stages
+        # Evaluation must leave .grad alone (no division by the micro-batch count).
+        schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=train)
+        if not train and isinstance(schedule, _PipelineScheduleRuntime):
+            # The runtime walks the training action list even in eval(); a V-schedule's backward
+            # actions then fail ("can't steal_bwd_input"). Keep only the forward actions: they are
+            # a dependency-closed part of a deadlock-free schedule, so still deadlock-free.
+            order = schedule.pipeline_order_with_comms
+            for rank, actions in order.items():
+                order[rank] = [a for a in actions if a.computation_type in _FORWARD_ACTIONS]
+        return schedule
+
+    def _instrument(self, stage: PipelineStage) -> None:
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            inner = getattr(stage, name)
+
+            def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
+                if self.events is None:
+                    return _inner(mb, *args, **kwargs)
+                start = time.perf_counter()
+                out = _inner(mb, *args, **kwargs)
+                kind = _kind if kwargs.get("full_backward", True) else "I"  # I: input grads only (zero bubble)
+                self.events.append((stage.stage_index, kind, mb, start, time.perf_counter()))
+                return out
+
+            setattr(stage, name, timed)
+
+    def _run(self, schedule, tokens, labels, loss_mask, train: bool) -> torch.Tensor:
+        losses: List[torch.Tensor] = []
+        run = schedule.step if train else schedule.eval
+        run(tokens, target=loss_mask, losses=losses, return_outputs=False, labels=labels)
+        loss = torch.zeros((), dtype=next(self.chunks[0].parameters()).dtype, device=self.device)
+        if self.holds_last:
+            for value in losses:  # summed in micro-batch order, as the pp=1 loop does
+                loss += value.detach()
+            loss /= self.num_microbatches
+        return C.all_reduce(loss, self.ps.pp_group)
+
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of all micro-batches of this rank's batch; grads accumulate into
+        ``.grad`` (averaged over micro-batches, tied copies summed). Returns the mean loss."""
+        loss = self._run(self._train, tokens, labels, loss_mask, train=True)
+        self.reduce_tied_grads()
+        return loss
+
+    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        if self._eval is None:
+            self._eval = self._build(train=False)
+        return self._run(self._eval, tokens, labels, loss_mask, train=False)
+
+    @torch.no_grad()
+    def reduce_tied_grads(self) -> None:
+        """Sum the grads of the tied embedding's copies (first and last stage)."""
+        grads = [p.grad for p in self.tied if p.grad is not None]
+        if len(grads) == 2:  # both copies on this rank (ZB-V): the sum is the same tensor on both
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif len(grads) == 1 and self.schedule_name != "zbv":
+            C.all_reduce(grads[0], self.ps.group("embedding"))

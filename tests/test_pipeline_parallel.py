@@ -1,0 +1,147 @@
+"""Pipeline parallelism equals one process: every schedule, with TP, SP and DP around it.
+
+References are independent of the pipeline code: the single-process run (per-step losses, grad
+norms and validation losses over 10 steps in float64, to 1e-9), the analytic 1F1B memory bound
+(at most pp micro-batches in flight on the first stage, where GPipe would hold all of them), and
+the tied-embedding invariant (the first and last stage's copies stay bitwise equal).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SMALL, compose_config, run_training, spawn_ranks
+from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
+
+STEPS = 10
+BASE = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}", "model.num_layers=4",
+        "trainer.val_check_interval=5", "trainer.limit_val_batches=2"]
+PP2 = ["parallel=pp2", "trainer.devices=2"]
+
+# Each schedule at least once; the 8-rank layouts (tp2 x pp2 x dp2) cover TP, SP and DP with the
+# plain and the zero-bubble schedule (whose split backward must keep TP collectives matched).
+LAYOUTS = [
+    pytest.param(PP2, id="pp2_1f1b"),
+    pytest.param(["parallel=pp4", "trainer.devices=4"], id="pp4_1f1b"),
+    pytest.param([*PP2, "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=interleaved_1f1b"],
+                 id="pp2_vpp2_interleaved"),
+    pytest.param([*PP2, "parallel.pipeline_schedule=zero_bubble", "parallel.layers_per_stage=[1,3]"],
+                 id="pp2_zero_bubble_uneven_split"),
+    pytest.param([*PP2, "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zbv"], id="pp2_zbv"),
+    pytest.param(["parallel=tp2_pp2", "trainer.devices=8"], id="tp2_pp2_dp2_1f1b"),
+    pytest.param(["parallel=tp2_pp2", "trainer.devices=8", "parallel.sequence_parallel=true",
+                  "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zero_bubble"],
+                 id="tp2_pp2_dp2_sp_vpp2_zero_bubble"),
+]
+
+
+def _split(rows):
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _split(run_training(BASE, tmp_path_factory.mktemp("single")))
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS)
+def test_pipeline_losses_equal_single_process(single, overrides, tmp_path):
+    train, val = _split(run_training([*BASE, *overrides], tmp_path))
+    ref_train, ref_val = single
+    assert [r["step"] for r in train] == [r["step"] for r in ref_train] == list(range(STEPS))
+    for ours, ref in zip(train, ref_train):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-9)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-9)
+    assert len(val) == len(ref_val) == 2
+    for ours, ref in zip(val, ref_val):
+        assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-9)
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_untied_embeddings_pp2(tmp_path):
+    # No embedding copy on the last stage: it owns output_weight; nothing is summed across stages.
+    untied = [*BASE, "model.tie_embeddings=false"]
+    ref, _ = _split(run_training(untied, tmp_path / "single"))
+    ours, _ = _split(run_training([*untied, *PP2], tmp_path / "pp2"))
+    assert len(ours) == len(ref) == STEPS
+    for a, b in zip(ours, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-9)
+
+
+@pytest.mark.parametrize("pp,vpp,schedule", [(4, 1, "1f1b"), (2, 2, "interleaved_1f1b"), (4, 2, "zbv")])
+def test_stages_cover_every_layer_once(pp, vpp, schedule):
+    per_stage = [1, 2, 3, 1, 2, 1, 1, 3][: pp * vpp]
+    held = sorted(layer for rank in range(pp) for stage in stage_indices(rank, pp, vpp, schedule)
+                  for layer in stage_layers(per_stage, stage))
+    assert held == list(range(sum(per_stage)))
+    if schedule == "zbv":  # the V: rank 0 holds the first and the last stage
+        assert stage_indices(0, pp, vpp, schedule) == [0, 2 * pp - 1]
+    else:  # Megatron's interleaving: chunk c of rank p is virtual stage c * pp + p
+        assert stage_indices(1, pp, vpp, schedule) == [c * pp + 1 for c in range(vpp)]
+
+
+def _train_and_inspect(rank, world, overrides, run_dir):
+    """Train through Lightning as train.py does; return the tied embedding copies before and
+    after, and the order of forward/backward computations of this rank's stages."""
+    import torch
+
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.strategy import MegatronStrategy
+    from megatron_hydra.training.train import build_dataloaders, build_trainer
+
+    torch.set_num_threads(1)
+    cfg = compose_config(overrides, run_dir)
+    derived = derive(cfg)
+    ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
+    module = GPTModule(cfg, derived, ps)
+    tied = [p for chunk in module.model for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
+    before = [p.detach().numpy().copy() for p in tied]
+    module.pipeline.events = []
+    strategy = MegatronStrategy(ps, torch.device("cpu"), clip_grad=cfg.optim.clip_grad,
+                                grad_bucket_size=cfg.parallel.grad_bucket_size)
+    train_loader, _ = build_dataloaders(cfg, derived, ps)
+    build_trainer(cfg, derived, strategy, rank).fit(module, train_dataloaders=train_loader)
+    return {
+        "pp_rank": ps.pp_rank,
+        "before": before,
+        "after": [p.detach().numpy().copy() for p in tied],
+        "events": [(stage, kind, mb) for stage, kind, mb, _, _ in module.pipeline.events],
+    }
+
+
+def _max_in_flight(events, stage):
+    """Most micro-batches whose forward ran on ``stage`` and whose backward has not."""
+    live = peak = 0
+    for s, kind, _ in events:
+        if s == stage:
+            live += {"F": 1, "B": -1}.get(kind, 0)
+            peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("pp,extra", [
+    (4, []),
+    (2, ["parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zbv"]),  # both copies on rank 0
+], ids=["pp4_1f1b", "pp2_zbv"])
+def test_tied_embedding_copies_stay_bitwise_equal_and_1f1b_memory_bound(pp, extra, tmp_path):
+    micro = 16  # micro-batches per step: GPipe would keep all 16 in flight on stage 0
+    overrides = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}", "model.num_layers=4",
+                 f"parallel.pipeline_parallel_size={pp}", f"trainer.devices={pp}", "data.micro_batch_size=1",
+                 f"data.global_batch_size={micro}", *extra]
+    results = spawn_ranks(_train_and_inspect, pp, overrides, str(tmp_path))
+    copies = [(r["before"][i], r["after"][i]) for r in results.values() for i in range(len(r["after"]))]
+    assert len(copies) == 2  # one on the first stage, one on the last
+    (first_before, first_after), (last_before, last_after) = copies
+    assert np.array_equal(first_before, last_before)
+    assert not np.array_equal(first_before, first_after)  # it trained
+    assert np.array_equal(first_after, last_after)  # bitwise
+    if not extra:
+        first = next(r for r in results.values() if r["pp_rank"] == 0)
+        last = next(r for r in results.values() if r["pp_rank"] == pp - 1)
+        assert sum(kind == "F" for _, kind, _ in first["events"]) == STEPS * micro
+        assert _max_in_flight(first["events"], 0) == pp
+        assert _max_in_flight(last["events"], pp - 1) == 1
