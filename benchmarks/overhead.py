@@ -1,6 +1,6 @@
 """Overhead of the full launch path (Hydra config -> launcher -> Lightning + MegatronStrategy)
-against a bare PyTorch loop training the same model on the same batches with the same optimizer,
-both measured in this run; plus model TFLOP/s against this machine's measured matmul peak.
+against a bare PyTorch loop training the same model on the same batches (same dataset, same
+sampler) with the same optimizer, both measured in this run; plus model TFLOP/s against this machine's measured matmul peak.
 
     python benchmarks/overhead.py [model=gpt_tiny] [steps=20]
 
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from megatron_hydra.config import derive, register_configs
 from megatron_hydra.data.samplers import GlobalBatchSampler
-from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.launcher import run
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
@@ -30,6 +30,7 @@ from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.metrics import model_flops_per_step
 from megatron_hydra.training.module import param_groups
 from megatron_hydra.training.schedules import lr_at
+from megatron_hydra.training.train import split_sizes
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WARMUP = 3  # steps excluded from timing on both sides (allocator and thread-pool warm-up)
@@ -51,7 +52,8 @@ def bare_loop_step_times(cfg, derived, steps: int):
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     gbs, nmb = cfg.data.global_batch_size, derived.num_microbatches
-    ds = SyntheticDataset(cfg.data.num_samples, tcfg.seq_length, tcfg.vocab_size, cfg.data.seed)
+    ds, _, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
+                              num_samples=split_sizes(cfg), vocab_size=tcfg.vocab_size)
     loader = DataLoader(ds, batch_sampler=GlobalBatchSampler(steps * gbs, gbs, 0, 1))
     times, last = [], time.perf_counter()
     for step, batch in enumerate(loader):
