@@ -46,3 +46,11 @@ def test_lr_schedule_matches_formula(single):
             progress = (s - warmup) / (STEPS - warmup)
             expected = min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
         assert row["lr"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_dp4_fp32_within_user_tolerance(tmp_path):
+    # What a user sees in float32: the numerics contract's 1e-5 relative over 10 steps.
+    ref = run_training([*SMALL, f"trainer.max_steps={STEPS}"], tmp_path / "single")
+    rows = run_training([*SMALL, f"trainer.max_steps={STEPS}", "trainer.devices=4"], tmp_path / "dp4")
+    for ours, theirs in zip(rows, ref):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
