@@ -1,7 +1,7 @@
 # GPU image: NVIDIA's NGC PyTorch container already carries CUDA, NCCL, Transformer Engine and
 # apex, which megatron-hydra uses when present. Build: docker build -t megatron-hydra .
 # Run:   docker run --gpus all --ipc=host -it megatron-hydra \
-#          python launch.py model=gpt_1.3b parallel=tp2 trainer=gpu trainer.devices=8
+#          python launch.py model=gpt_1.3b parallel=tp2 trainer=gpu trainer.devices=8 data.global_batch_size=64
 FROM nvcr.io/nvidia/pytorch:25.01-py3
 
 WORKDIR /workspace/megatron-hydra
@@ -18,4 +18,4 @@ RUN pip install --no-cache-dir --no-deps -e . \
  && pip install --no-cache-dir "pytorch-lightning>=2.4" "hydra-core>=1.3.2" "omegaconf>=2.3" tensorboard pytest pytest-timeout
 
 ENV PYTHONUNBUFFERED=1
-CMD ["python", "launch.py", "trainer=gpu"]
+CMD ["python", "launch.py", "trainer=gpu", "data.global_batch_size=64"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -13,6 +12,8 @@ import pytest
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+
+from megatron_hydra.training.worker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -47,12 +48,6 @@ def run_training(overrides: List[str], run_dir: Path) -> List[Dict[str, float]]:
 def read_metrics(run_dir: Path) -> List[Dict[str, float]]:
     with open(Path(run_dir) / "csv" / "metrics.csv") as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> None:

@@ -7,12 +7,12 @@ sample can be decoded back to where its tokens came from.
 import collections
 import os
 import pickle
-import socket
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import spawn_ranks
 from megatron_hydra.data import gpt_dataset
 from megatron_hydra.data.gpt_dataset import GPTDataset
 from megatron_hydra.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -136,27 +136,19 @@ def test_dataloader_workers_and_pickling(tmp_path):
             assert torch.equal(batch["tokens"][j], ds[b * 4 + j]["tokens"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank, port, corpus, cache, out):
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        ds = GPTDataset(IndexedDataset(corpus), np.arange(20), 64, 16, 5, cache)
-        np.save(f"{out}{rank}.npy", np.stack([ds.sample_tokens(i) for i in range(len(ds))]))
-    finally:
-        torch.distributed.destroy_process_group()
+def _rank_build(rank, world, corpus, cache):
+    ds = GPTDataset(IndexedDataset(corpus), np.arange(20), 64, 16, 5, cache)
+    return np.stack([ds.sample_tokens(i) for i in range(len(ds))])
 
 
 def test_two_ranks_build_once_and_agree(tmp_path):
     make_corpus(tmp_path / "c", lengths_for(20))
+    results = spawn_ranks(_rank_build, 2, str(tmp_path / "c"), str(tmp_path / "k"))
     out = str(tmp_path / "rank")
-    torch.multiprocessing.spawn(_rank_worker, args=(_free_port(), str(tmp_path / "c"), str(tmp_path / "k"), out),
-                                nprocs=2)
+    for rank, samples in results.items():
+        np.save(f"{out}{rank}.npy", samples)
     np.testing.assert_array_equal(np.load(out + "0.npy"), np.load(out + "1.npy"))
     assert not [f for f in os.listdir(tmp_path / "k") if ".tmp" in f]
+    assert len([f for f in os.listdir(tmp_path / "k") if f.endswith(".npy")]) == 3  # doc, sample, shuffle index
     single = GPTDataset(IndexedDataset(str(tmp_path / "c")), np.arange(20), 64, 16, 5, str(tmp_path / "k2"))
     np.testing.assert_array_equal(np.load(out + "0.npy"), np.stack([single.sample_tokens(i) for i in range(len(single))]))

@@ -56,15 +56,31 @@ def _build_all(rank, world):
     return seen
 
 
+def _coords(rank, sizes):
+    """Megatron's order written out: rank = ((pp * DP + dp) * CP + cp) * TP + tp."""
+    tp, cp, dp = sizes["tp"], sizes["cp"], sizes["dp"]
+    return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp, "pp": rank // (tp * cp * dp)}
+
+
 def test_mesh_groups_on_8_gloo_ranks():
-    results = spawn_ranks(_build_all, 8)
+    world = 8
+    results = spawn_ranks(_build_all, world)
     assert sorted(results) == list(range(8))
     for rank, seen in results.items():
         for sizes, row in seen:
-            assert row["coords"] == coordinates(rank, sizes)
+            assert row["coords"] == _coords(rank, sizes)
             for axis in AXES:
-                assert row[axis] == next(g for g in group_ranks(sizes, (axis,)) if rank in g)
-            assert row["dp_cp"] == next(g for g in group_ranks(sizes, ("dp", "cp")) if rank in g)
-            assert row["model"] == next(g for g in group_ranks(sizes, ("pp", "tp")) if rank in g)
-            # Middle pipeline stages hold no embedding and belong to no embedding group.
-            assert row["embedding"] == next((g for g in embedding_group_ranks(sizes) if rank in g), None)
+                expected = [r for r in range(world) if all(_coords(r, sizes)[a] == _coords(rank, sizes)[a]
+                                                          for a in AXES if a != axis)]
+                assert row[axis] == expected, (axis, sizes, rank)
+            # Combined groups, from the arithmetic alone: the members are the ranks that share
+            # this rank's coordinates on every other axis.
+            for name, axes in (("dp_cp", ("dp", "cp")), ("model", ("pp", "tp"))):
+                expected = [r for r in range(world) if all(_coords(r, sizes)[a] == _coords(rank, sizes)[a]
+                                                          for a in AXES if a not in axes)]
+                assert row[name] == expected, (name, sizes, rank)
+            # First and last stage of this rank's pipeline; middle stages belong to no group.
+            pipeline = [r for r in range(world) if all(_coords(r, sizes)[a] == _coords(rank, sizes)[a]
+                                                       for a in ("dp", "cp", "tp"))]
+            ends = sorted({pipeline[0], pipeline[-1]})
+            assert row["embedding"] == (ends if rank in ends else None), (sizes, rank)

@@ -21,7 +21,7 @@ from torch import nn
 from megatron_hydra.models.transformer import Block, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, _param, parallel_lm_logits
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, parallel_lm_logits, tp_param
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.state import ParallelState
 
@@ -47,7 +47,7 @@ class GPTModel(nn.Module):
         if post_process:
             self.final_norm = build_norm(cfg, device)
             if not cfg.tie_embeddings:
-                self.output_weight = _param((cfg.padded_vocab_size // ps.tp_size, cfg.hidden_size),
+                self.output_weight = tp_param((cfg.padded_vocab_size // ps.tp_size, cfg.hidden_size),
                                             cfg.params_dtype, device, 0)
             elif not pre_process:
                 # A last pipeline stage keeps its own copy of the tied word embedding (Megatron's

@@ -50,9 +50,13 @@ class GradBuffer:
                 start, members = offset, []
         self.zero()
         self.sync_enabled = True
-        if self.dp > 1:
-            for p in ordered:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in ordered] if self.dp > 1 else []
+
+    def close(self) -> None:
+        """Detach from the parameters: no hook of this buffer fires after this."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if not self.sync_enabled:

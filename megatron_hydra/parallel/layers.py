@@ -22,7 +22,8 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel import mappings as M
 
 
-def _param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
+def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
+    """An uninitialised parameter tagged with how it relates to its logical tensor."""
     p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     p.tp_partition_dim = partition_dim
     p.sequence_parallel = sequence_parallel and partition_dim is None
@@ -58,8 +59,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local_out = _shard(out_features, C.group_size(tp_group), "out_features")
-        self.weight = _param((local_out, in_features), dtype, device, 0)
-        self.bias = _param((local_out,), dtype, device, 0) if bias else None
+        self.weight = tp_param((local_out, in_features), dtype, device, 0)
+        self.bias = tp_param((local_out,), dtype, device, 0) if bias else None
 
     def forward(self, x: torch.Tensor, input_entered: bool = False) -> torch.Tensor:
         if not input_entered:
@@ -80,8 +81,8 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local_in = _shard(in_features, C.group_size(tp_group), "in_features")
-        self.weight = _param((out_features, local_in), dtype, device, 1)
-        self.bias = _param((out_features,), dtype, device, None, sequence_parallel) if bias else None
+        self.weight = tp_param((out_features, local_in), dtype, device, 1)
+        self.bias = tp_param((out_features,), dtype, device, None, sequence_parallel) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -102,7 +103,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = _shard(num_embeddings, C.group_size(tp_group), "num_embeddings")
         self.vocab_start = C.group_rank(tp_group) * local
-        self.weight = _param((local, embedding_dim), dtype, device, 0)
+        self.weight = tp_param((local, embedding_dim), dtype, device, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if C.group_size(self.tp_group) == 1:

@@ -9,7 +9,9 @@ is split across TP ranks gets exactly the gradient the unsplit network would:
 and for sequence parallelism, along the sequence dimension:
 - gather_from_sp:    forward all-gather, backward reduce-scatter
 - reduce_scatter_to_sp: forward reduce-scatter, backward all-gather
-- scatter_to_sp:     forward split, backward all-gather
+
+The all-reduces work in place, on the forward input or on the incoming gradient, as Megatron's
+do: callers hand them tensors just computed by a matmul, which nothing else reads.
 """
 
 from __future__ import annotations
@@ -86,17 +88,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return C.all_gather(grad, SEQ_DIM, ctx.group), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.split(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_gather(grad, SEQ_DIM, ctx.group), None
-
-
 def _apply(fn, x, group):
     return x if C.group_size(group) == 1 else fn.apply(x, group)
 
@@ -124,6 +115,3 @@ def gather_from_sp(x, group):
 def reduce_scatter_to_sp(x, group):
     return _apply(_ReduceScatterToSP, x, group)
 
-
-def scatter_to_sp(x, group):
-    return _apply(_ScatterToSP, x, group)

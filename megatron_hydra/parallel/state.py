@@ -97,9 +97,6 @@ class ParallelState:
         group on a middle pipeline stage (which holds no embedding)."""
         return None if self.groups is None else self.groups.get(name)
 
-    def size(self, axis: str) -> int:
-        return self.sizes[axis]
-
     def coord(self, axis: str) -> int:
         return coordinates(self.rank, self.sizes)[axis]
 
@@ -115,10 +112,6 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.sizes["dp"]
-
-    @property
-    def cp_size(self) -> int:
-        return self.sizes["cp"]
 
     @property
     def tp_rank(self) -> int:
@@ -143,14 +136,6 @@ class ParallelState:
     @property
     def dp_group(self):
         return self.group("dp_cp")
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     def __repr__(self) -> str:
         coords = coordinates(self.rank, self.sizes)

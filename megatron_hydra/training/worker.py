@@ -37,7 +37,9 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
     from megatron_hydra.training.train import train
 
     if cfg.trainer.accelerator == "cpu":
-        torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local_world_size))
+        # The cores this process may run on (cgroups, SLURM and taskset shrink them), shared by the local ranks.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(cfg.trainer.num_threads or max(1, cores // local_world_size))
     init_process_group(cfg)
     try:
         if dist.get_world_size() > 1:
