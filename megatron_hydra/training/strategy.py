@@ -119,14 +119,17 @@ class MegatronStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # Collectives Lightning uses (metric sync, barriers) ------------------------------------------
-    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"):
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_world_size() == 1:
             return tensor
+        name = str(reduce_op).lower().rsplit(".", 1)[-1] if reduce_op is not None else "mean"
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM}
+        if name not in ops:
+            raise ValueError(f"unsupported reduce_op {reduce_op!r}")
         tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        if reduce_op in ("mean", "avg"):
-            tensor = tensor / dist.get_world_size(group)
-        return tensor
+        dist.all_reduce(tensor, op=ops[name], group=group)
+        return tensor / dist.get_world_size(group) if name in ("mean", "avg") else tensor
 
     def barrier(self, name: Optional[str] = None) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -140,5 +143,7 @@ class MegatronStrategy(ParallelStrategy):
         return objects[0]
 
     def teardown(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.close()
         self.grad_buffer = None
         super().teardown()
