@@ -16,6 +16,8 @@ which never tokenize (plan mode, synthetic data) do not pay for them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import os
 from typing import Callable, Iterable, List, Optional, Sequence
 
@@ -30,17 +32,19 @@ BPE_EOD_TOKEN = "<|endoftext|>"
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]", "<EOD>")
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """What the data pipeline needs from a tokenizer, and nothing more."""
 
     vocab_size: int
     eod: int
 
+    @abstractmethod
     def encode(self, text: str) -> List[int]:
-        raise NotImplementedError
+        """Token ids of ``text`` (no end-of-document token)."""
 
+    @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+        """Text of ``ids``."""
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Encode many texts; tokenizers with a native batch path override this."""
