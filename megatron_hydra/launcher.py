@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
             raise ConfigError(
                 f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} GPUs: lower it"
             )
+    from megatron_hydra.checkpoint.callback import start_point
+
+    start_point(cfg, derived)  # a missing, incomplete or mismatching checkpoint fails here, in one line
     if external is not None and external.world_size != derived.world_size:
         raise ConfigError(
             f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
@@ -132,12 +136,31 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
         max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(cfg.run_dir, "workers")),
     )
+    previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
     try:
         elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
     except ChildFailedError as e:
         rank = root_cause_rank(cfg.run_dir, e.failures)
         summary = failure_summary(cfg.run_dir, rank, e.failures[rank].exitcode)
         raise WorkerFailed(f"rank {rank} failed: {summary}") from None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """SIGUSR1 to the launcher asks every local worker to save and stop (the workers run in their
+    own sessions, so a signal to the launcher alone would not reach them)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def root_cause_rank(run_dir: str, failures: Dict[int, object]) -> int:

@@ -30,6 +30,7 @@ CHOICES = {
     "trainer.accelerator": ("cpu", "gpu"),
     "data.name": ("synthetic", "demo", "indexed"),
     "mode": ("train",),
+    "checkpoint.resume": ("auto", "none"),
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
 }
 
@@ -82,6 +83,9 @@ def _check_positive(cfg: RunConfig) -> None:
         value = _get(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer or null (derived)")
+    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 disables it)")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         value = _get(cfg, key)
         if not 0.0 <= value < 1.0:

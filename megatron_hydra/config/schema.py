@@ -133,6 +133,27 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded, layout-free checkpoints (``megatron_hydra.checkpoint``)."""
+
+    name: str = "default"
+    # Directory holding step_NNNNNNN checkpoints; None -> <run_dir>/checkpoints.
+    dir: Optional[str] = None
+    # Save every this many optimizer steps (0: only at the end and on SIGTERM/SIGUSR1).
+    every_n_steps: int = 0
+    # Save when training ends (max_steps reached).
+    save_last: bool = True
+    # Keep the newest this many complete checkpoints in ``dir`` (0 keeps all).
+    keep_last: int = 2
+    # auto: continue from the newest complete checkpoint in ``dir`` if there is one; none: never.
+    resume: str = "auto"
+    # Start from this checkpoint (any layout) when ``resume`` finds none.
+    load: Optional[str] = None
+    # false: load the model only, with fresh optimizer state (e.g. from a weights-only checkpoint).
+    load_optimizer: bool = True
+
+
+@dataclass
 class RunConfig:
     """The whole composed config (``conf/config.yaml``)."""
 
@@ -142,6 +163,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mode: str = "train"
     seed: int = 1234
     # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import Optional
 
 import pytorch_lightning as pl
 import torch
@@ -13,6 +14,7 @@ from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
 
+from megatron_hydra.checkpoint.callback import CheckpointCallback, start_point
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
@@ -64,21 +66,21 @@ def split_sizes(cfg: RunConfig) -> tuple:
     return (cfg.trainer.max_steps * gbs, valid, 0)
 
 
-def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState):
+def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consumed_samples: int = 0):
     """Train (and, when validation is on, valid) loaders yielding this DP rank's share of each
-    global batch."""
+    global batch; training starts after ``consumed_samples`` (a resumed run)."""
     tcfg = derived.transformer
     sizes = split_sizes(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
                                            num_samples=sizes, vocab_size=tcfg.vocab_size)
 
-    def loader(ds, total):
-        sampler = GlobalBatchSampler(total, cfg.data.global_batch_size, ps.dp_rank, ps.dp_size)
+    def loader(ds, total, consumed=0):
+        sampler = GlobalBatchSampler(total, cfg.data.global_batch_size, ps.dp_rank, ps.dp_size, consumed)
         return DataLoader(ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
                           persistent_workers=cfg.data.num_workers > 0)
 
     valid = loader(valid_ds, min(len(valid_ds), sizes[1])) if valid_ds is not None and sizes[1] else None
-    return loader(train_ds, sizes[0]), valid
+    return loader(train_ds, sizes[0], consumed_samples), valid
 
 
 class _ProgressBar(TQDMProgressBar):
@@ -88,7 +90,8 @@ class _ProgressBar(TQDMProgressBar):
         return items
 
 
-def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, rank: int) -> pl.Trainer:
+def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, rank: int,
+                  checkpoints: Optional[CheckpointCallback] = None) -> pl.Trainer:
     loggers = [
         TensorBoardLogger(cfg.run_dir, name="", version="tensorboard", default_hp_metric=False),
         CSVLogger(cfg.run_dir, name="", version="csv"),
@@ -103,7 +106,7 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         enable_progress_bar=cfg.trainer.enable_progress_bar and rank == 0,
         enable_model_summary=rank == 0,
-        callbacks=[_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else [],
+        callbacks=([checkpoints] if checkpoints else []) + ([_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else []),
         enable_checkpointing=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
@@ -133,6 +136,8 @@ def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
     module = GPTModule(cfg, derived, ps)
     strategy = MegatronStrategy(ps, device, clip_grad=cfg.optim.clip_grad, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
-    train_loader, valid_loader = build_dataloaders(cfg, derived, ps)
-    trainer = build_trainer(cfg, derived, strategy, rank)
+    start = start_point(cfg, derived)
+    train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
+    checkpoints = CheckpointCallback(cfg, derived, ps, start)
+    trainer = build_trainer(cfg, derived, strategy, rank, checkpoints)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)

@@ -1,0 +1,116 @@
+"""Checkpoint save/load throughput per rank, and how long a save blocks training.
+
+    python benchmarks/checkpoint_io.py [layers=12] [layouts=single,dp2,tp2]
+
+gpt_125m-shaped parameters (h=768, 12 heads, vocab 50257; ``layers`` may be lowered to fit a small
+machine) with one step of AdamW state, saved through ``megatron_hydra.checkpoint.sharded`` into a
+temporary directory and loaded back, on CPU with gloo. Saves are synchronous, so the time a save
+blocks training is the whole save call (the barrier-to-barrier time of the slowest rank).
+Prints numbers; asserts nothing (machines are noisy: compare numbers from one run only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {"single": (1, ["parallel=single"]), "dp2": (2, ["parallel=single"]), "tp2": (2, ["parallel=tp2"])}
+
+
+def _config(layers: int, world: int, layout):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from megatron_hydra.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "run_dir=unused", "model=gpt_125m", f"model.num_layers={layers}", "model.seq_length=128",
+            "data=synthetic", f"trainer.devices={world}", "data.micro_batch_size=1", "data.global_batch_size=2",
+            *layout])
+    return OmegaConf.to_object(cfg)
+
+
+def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queue) -> None:
+    import torch.distributed as dist
+
+    from megatron_hydra.checkpoint.sharded import load, save
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.module import GPTModule
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = _config(layers, world, layout)
+    derived = derive(cfg)
+    ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
+    module = GPTModule(cfg, derived, ps)
+    opt = module.configure_optimizers()
+    for p in module.model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    local = sum(t.numel() * t.element_size() for p in module.model.parameters()
+                for t in (p, *opt.state[p].values()))
+    vocab = derived.transformer.vocab_size
+    results = {}
+    for phase in ("save", "load"):
+        dist.barrier()
+        start = time.perf_counter()
+        if phase == "save":
+            save(path, module.model, opt, ps, vocab, {"step": 1})
+        else:
+            load(path, module.model, opt, ps, vocab)
+        dist.barrier()
+        results[phase] = time.perf_counter() - start
+    queue.put((rank, local, results))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(name: str, layers: int) -> None:
+    world, layout = LAYOUTS[name]
+    tmp = tempfile.mkdtemp(prefix="ckpt_bench_")
+    path = os.path.join(tmp, "step_0000001")
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank, args=(world, _free_port(), layers, layout, path, queue), nprocs=world,
+                       start_method="spawn", join=True)
+    rows = sorted(queue.get() for _ in range(world))
+    on_disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    shutil.rmtree(tmp)
+    save_s = max(r[2]["save"] for r in rows)
+    load_s = max(r[2]["load"] for r in rows)
+    per_rank = sum(r[1] for r in rows) / world / 2**20
+    print(f"{name:7s} world={world}  state/rank={per_rank:8.1f} MiB  on disk={on_disk / 2**20:8.1f} MiB  "
+          f"save {save_s:6.2f} s ({per_rank / save_s:7.1f} MiB/s/rank)  "
+          f"load {load_s:6.2f} s ({per_rank / load_s:7.1f} MiB/s/rank)  "
+          f"training blocked per save: {save_s:6.2f} s")
+
+
+def main(argv) -> None:
+    args = dict(a.split("=", 1) for a in argv)
+    layers = int(args.get("layers", 12))
+    print(f"gpt_125m-shaped, {layers} layers, fp32 params + AdamW state, CPU/gloo, {os.cpu_count()} cores")
+    for name in args.get("layouts", "single,dp2,tp2").split(","):
+        measure(name, layers)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,152 @@
+"""Checkpoints in a training run: when to save, what to resume from, stopping on a signal.
+
+A Lightning callback, because everything it needs exists by ``on_train_start`` (the model on its
+device, the optimizer) and the step boundary is ``on_train_batch_end``. Resuming sets the loop's
+step counters directly; the data sampler was already built at the checkpoint's consumed samples
+(``start_point``), so the run continues with the batch the stopped one would have seen next.
+
+SIGTERM and SIGUSR1 (what SLURM sends before a time limit) only set a flag; at the next step
+boundary the ranks agree on it with a one-element all-reduce (a signal may reach them at
+different steps), save, and stop cleanly. ``checkpoint.resume=auto`` then continues the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Dict, List, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megatron_hydra.checkpoint import sharded, store
+from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.parallel.state import ParallelState
+
+log = logging.getLogger("megatron_hydra")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_stop_requested: List[int] = []
+
+
+def checkpoint_dir(cfg: RunConfig) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints")
+
+
+def logical_shapes(derived: Derived) -> Dict[str, List[int]]:
+    """Every logical tensor of the whole model and its shape, from a model on the meta device."""
+    from megatron_hydra.models.gpt import GPTModel
+
+    model = GPTModel(derived.transformer, ParallelState.single(), device="meta")
+    return sharded.logical_shapes(model, 1, derived.transformer.vocab_size)
+
+
+def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
+    """The checkpoint this run starts from (``resume=auto``: the newest complete one in the
+    directory, else ``checkpoint.load``) with its metadata, after checking that it fits this
+    model; ``None`` for a fresh start. Cheap (metadata only): the launcher calls it before any
+    worker starts, so a bad checkpoint is a one-line error, and each worker calls it again."""
+    path = store.resolve(checkpoint_dir(cfg), cfg.checkpoint.resume, cfg.checkpoint.load)
+    if path is None:
+        return None
+    meta = store.validate(path)
+    sharded.check_shapes(path, meta["shapes"], logical_shapes(derived), meta["has_optimizer"],
+                         cfg.checkpoint.load_optimizer)
+    return {"path": path, **meta}
+
+
+def _layout(derived: Derived) -> dict:
+    return {"world": derived.world_size, "tp": derived.tp, "pp": derived.pp, "dp": derived.dp, "cp": derived.cp,
+            "vpp": derived.vpp}
+
+
+def _request_stop(signum, frame) -> None:
+    _stop_requested.append(signum)
+
+
+def install_stop_handlers() -> dict:
+    """Make SIGTERM/SIGUSR1 request a save-and-stop; returns the handlers they replaced. Installed
+    once training has started, i.e. over Lightning's own SIGTERM handler, which would otherwise
+    exit at an arbitrary point of the step (before or after our save)."""
+    _stop_requested.clear()
+    try:
+        return {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
+    except ValueError:  # not the main thread: leave signals alone
+        return {}
+
+
+class CheckpointCallback(pl.Callback):
+    def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState, start: Optional[dict]):
+        self.cfg, self.derived, self.ps, self.start = cfg, derived, ps, start
+        self.dir = checkpoint_dir(cfg)
+        self.last_saved: Optional[int] = None
+        self.stopped_by_signal = False
+        self._previous_handlers: dict = {}
+
+    def _optimizer(self, trainer):
+        return trainer.optimizers[0] if trainer.optimizers else None
+
+    # Resume ----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._previous_handlers = install_stop_handlers()
+        if self.start is None:
+            log.info("training starts at step 0 (checkpoints: %s)", self.dir)
+            return
+        path, step = self.start["path"], int(self.start["step"])
+        sharded.load(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size,
+                     self.cfg.checkpoint.load_optimizer)
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.manual_optimization.optim_step_progress.total
+        progress.ready = progress.completed = step
+        loop._batches_that_stepped = step
+        same_layout = self.start.get("layout") == _layout(self.derived)
+        restored = same_layout and sharded.load_rng(path)
+        self.last_saved = step
+        log.info("resumed from %s at step %d (%s)", path, step,
+                 "random states restored" if restored else "another layout: fresh random states")
+
+    # Save ------------------------------------------------------------------------------------
+    def _agree_to_stop(self) -> bool:
+        flag = torch.tensor([1.0 if _stop_requested else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, every = trainer.global_step, self.cfg.checkpoint.every_n_steps
+        stop = self._agree_to_stop()
+        if stop or (every and step % every == 0):
+            self.save(trainer, pl_module)
+        if stop:
+            self.stopped_by_signal = True
+            trainer.should_stop = True
+            log.info("stop requested by signal: saved step %d, stopping (resume with checkpoint.resume=auto)", step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.cfg.checkpoint.save_last and self.last_saved != trainer.global_step:
+            self.save(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        step = trainer.global_step
+        path = store.step_dir(self.dir, step)
+        meta = {
+            "step": step,
+            "consumed_samples": step * self.cfg.data.global_batch_size,
+            "layout": _layout(self.derived),
+            "dtype": str(self.derived.transformer.params_dtype),
+            "shapes": logical_shapes(self.derived),
+            "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+        }
+        sharded.save(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size, meta)
+        self.last_saved = step
+        if self.ps.rank == 0:
+            pruned = store.prune(self.dir, self.cfg.checkpoint.keep_last)
+            log.info("saved checkpoint %s%s", path, f" (removed {len(pruned)} older)" if pruned else "")
+        return path
