@@ -53,16 +53,19 @@ def _slurm_master_addr(nodelist: str) -> str:
 
 
 def detect_external(env: Optional[Dict[str, str]] = None) -> Optional[ExternalLaunch]:
-    """torchrun sets TORCHELASTIC_RUN_ID and RANK/WORLD_SIZE; srun sets SLURM_PROCID/SLURM_NTASKS.
-    A SLURM allocation with a single task (``sbatch`` running ``python launch.py``) is not an
-    external launch: we spawn the local workers ourselves."""
+    """torchrun sets TORCHELASTIC_RUN_ID and RANK/WORLD_SIZE; an srun step sets SLURM_PROCID and
+    SLURM_STEP_NUM_TASKS. A batch script running ``python launch.py`` itself is not an external
+    launch: we spawn the local workers ourselves."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
         return ExternalLaunch("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
                               int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a batch script that runs python
+    # directly under --ntasks>1 is not a worker of a launch, and must not wait for peers.
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
         return ExternalLaunch("slurm", int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")),
-                              int(env["SLURM_NTASKS"]), int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
+                              int(env["SLURM_STEP_NUM_TASKS"]),
+                              int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0]))
     return None
 
 
@@ -71,7 +74,7 @@ def slurm_rendezvous_env(env: Dict[str, str]) -> Dict[str, str]:
     return {
         "RANK": env["SLURM_PROCID"],
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")),
         "MASTER_ADDR": env.get("MASTER_ADDR") or _slurm_master_addr(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
         "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
     }
@@ -96,6 +99,11 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
             f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
             f"{cfg.trainer.devices}x{cfg.trainer.num_nodes} = {derived.world_size}: make them agree"
         )
+    if external is None and cfg.trainer.num_nodes > 1:
+        raise ConfigError(
+            f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "
+            "(torchrun --nnodes ... or srun): this process can only spawn workers on its own node"
+        )
     if cfg.data.name != "synthetic" and (external is None or external.rank == 0):
         # Build (or find cached) corpus and index arrays now: a bad file is a one-line DataError
         # before any worker starts, and workers then only open caches.
@@ -104,11 +112,6 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
 
         build_datasets(cfg.data, seq_length=derived.transformer.seq_length, seed=cfg.data.seed,
                        num_samples=split_sizes(cfg), vocab_size=derived.transformer.vocab_size)
-    if external is None and cfg.trainer.num_nodes > 1:
-        raise ConfigError(
-            f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "
-            "(torchrun --nnodes ... or srun): this process can only spawn workers on its own node"
-        )
 
 
 def write_config(cfg: RunConfig, run_dir: str) -> str:
@@ -188,14 +191,13 @@ def run(cfg: RunConfig) -> None:
     derived = derive(cfg)
     external = detect_external()
     preflight(cfg, derived, external)
-    from megatron_hydra.training.worker import run_worker
+    from megatron_hydra.training.worker import run_worker, run_worker_and_exit
 
     config_path = write_config(cfg, cfg.run_dir)
     if external is not None:
         if external.kind == "slurm":
             os.environ.update(slurm_rendezvous_env(dict(os.environ)))
-        run_worker(cfg, derived, local_rank=external.local_rank, local_world_size=external.local_world_size)
-        return
+        run_worker_and_exit(cfg, derived, external.rank, external.local_rank, external.local_world_size)
     if derived.world_size == 1:
         # In this process; a fresh port per run, so multirun jobs never meet a stale store.
         from megatron_hydra.training.worker import free_port

@@ -107,6 +107,11 @@ BAD = [
     (["trainer.num_nodes=2"], None),  # needs an external launcher: checked in preflight below
     (["model.ffn_hidden_size=0"], "model.ffn_hidden_size"),
     (["optim.clip_grad=-1"], "optim.clip_grad"),
+    (["trainer.collective_timeout_s=0"], "trainer.collective_timeout_s"),
+    (["trainer.limit_val_batches=0"], "trainer.limit_val_batches"),
+    (["trainer.val_check_interval=-1"], "trainer.val_check_interval"),
+    (["data.num_workers=-1"], "data.num_workers"),
+    (["data.tokenizer.type=wordpiece"], "data.tokenizer.type"),
     # Pipeline parallelism (gpt_tiny has 4 layers; the default batch is 8 of 4 -> 2 micro-batches).
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "model.num_layers=3"], "model.num_layers"),
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.layers_per_stage=[1,2]"],

@@ -82,10 +82,13 @@ def test_torchrun_runs_launch_py_as_workers(tmp_path, env_no_launcher):
 def test_detects_torchrun_and_slurm_from_environment():
     assert detect_external({}) is None
     assert detect_external({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # sbatch, one task
+    # A batch script of an 8-task allocation running python itself (no srun step): not a worker.
+    assert detect_external({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) is None
     t = detect_external({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
                          "LOCAL_WORLD_SIZE": "4"})
     assert (t.kind, t.rank, t.local_rank, t.world_size, t.local_world_size) == ("torchrun", 3, 1, 8, 4)
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)",
+    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
            "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_JOB_ID": "12345"}
     s = detect_external(env)
     assert (s.kind, s.rank, s.local_rank, s.world_size, s.local_world_size) == ("slurm", 5, 1, 8, 4)

@@ -29,6 +29,7 @@ CHOICES = {
     "optim.name": ("adamw",),
     "trainer.accelerator": ("cpu", "gpu"),
     "data.name": ("synthetic", "demo", "indexed"),
+    "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe"),
     "mode": ("train",),
     "checkpoint.resume": ("auto", "none"),
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
@@ -72,7 +73,8 @@ def _check_positive(cfg: RunConfig) -> None:
         "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "parallel.context_parallel_size",
         "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
         "model.vocab_size", "model.make_vocab_size_divisible_by",
-        "data.micro_batch_size", "data.global_batch_size", "data.num_samples", "parallel.grad_bucket_size",
+        "data.micro_batch_size", "data.global_batch_size", "parallel.grad_bucket_size",
+        "trainer.collective_timeout_s", "trainer.limit_val_batches",
     )
     for key in keys:
         value = _get(cfg, key)
@@ -83,7 +85,7 @@ def _check_positive(cfg: RunConfig) -> None:
         value = _get(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer or null (derived)")
-    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last"):
+    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last", "trainer.val_check_interval", "data.num_workers"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 disables it)")
     for key in ("model.hidden_dropout", "model.attention_dropout"):

@@ -32,7 +32,7 @@ class ModelConfig:
     seq_length: int = 256
     # None -> seq_length (only used by learned absolute positions).
     max_position_embeddings: Optional[int] = None
-    vocab_size: int = 50257
+    vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
@@ -92,8 +92,6 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # Where index arrays and the demo corpus are cached; None -> next to the data (demo: ~/.cache).
     cache_dir: Optional[str] = None
-    # Number of samples in the synthetic dataset (it is generated on the fly, so this is only a bound).
-    num_samples: int = 1_000_000
     num_workers: int = 0
     seed: int = 1234
 
@@ -101,8 +99,8 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    lr: float = 3e-4
-    min_lr: float = 3e-5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

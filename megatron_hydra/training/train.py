@@ -26,8 +26,9 @@ from megatron_hydra.training.strategy import MegatronStrategy
 log = logging.getLogger("megatron_hydra")
 
 
-def _setup_logging(run_dir: str, rank: int) -> None:
-    """Only rank 0 talks: INFO to the console and ``train.log``; other ranks warnings only."""
+def _setup_logging(run_dir: str, rank: int) -> list:
+    """Only rank 0 talks: INFO to the console and ``train.log``; other ranks warnings only.
+    Returns the handlers added here, for ``train`` to remove when the run ends."""
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -38,14 +39,20 @@ def _setup_logging(run_dir: str, rank: int) -> None:
     for name in ("megatron_hydra", "pytorch_lightning", "lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(level)
     root = logging.getLogger()
-    if rank == 0 and not any(isinstance(h, logging.FileHandler) for h in root.handlers):
-        # A spawned worker: Hydra's log handlers live in the launching process, not here.
-        os.makedirs(run_dir, exist_ok=True)
-        fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-        for handler in (logging.FileHandler(os.path.join(run_dir, "train.log")), logging.StreamHandler()):
-            handler.setFormatter(fmt)
-            root.addHandler(handler)
-        root.setLevel(logging.INFO)
+    if rank != 0:
+        root.setLevel(logging.WARNING)
+        return []
+    if any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        return []  # in the launching process, whose Hydra handlers already write the run's log
+    # A spawned worker: Hydra's log handlers live in the launching process, not here.
+    os.makedirs(run_dir, exist_ok=True)
+    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    added = [logging.FileHandler(os.path.join(run_dir, "train.log")), logging.StreamHandler()]
+    for handler in added:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return added
 
 
 def _write_derived(run_dir: str, derived: Derived) -> None:
@@ -120,7 +127,16 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
 
 def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
     rank = torch.distributed.get_rank()
-    _setup_logging(cfg.run_dir, rank)
+    handlers = _setup_logging(cfg.run_dir, rank)
+    try:
+        _train(cfg, derived, local_rank, rank)
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None:
     device = device_for(cfg.trainer.accelerator, local_rank)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type)
     if rank == 0:

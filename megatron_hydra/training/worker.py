@@ -65,23 +65,29 @@ def _report(run_dir: str, rank: int, exc: BaseException) -> None:
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> None:
-    from megatron_hydra.launcher import read_config
-
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = read_config(argv[0])
-    rank = int(os.environ.get("RANK", "0"))
+def run_worker_and_exit(cfg: RunConfig, derived: Derived, rank: int, local_rank: int, local_world_size: int) -> None:
+    """Run this rank to the end, report a failure as one line (and ``rank<N>.error``), then leave
+    with ``os._exit``: interpreter teardown after gloo point-to-point traffic can abort (SIGABRT)
+    after correct results, which a launcher would count as a failed rank."""
     code = 0
     try:
-        run_worker(cfg, derive(cfg), int(os.environ.get("LOCAL_RANK", "0")),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        run_worker(cfg, derived, local_rank, local_world_size)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher as one line
         _report(cfg.run_dir, rank, exc)
         code = 2 if isinstance(exc, MegatronHydraError) else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: gloo workers that used point-to-point ops can abort there.
     os._exit(code)
+
+
+def main(argv=None) -> None:
+    """Entry of a worker spawned by the local launcher: ``python -m megatron_hydra.training.worker CONFIG``."""
+    from megatron_hydra.launcher import read_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = read_config(argv[0])
+    run_worker_and_exit(cfg, derive(cfg), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 if __name__ == "__main__":
