@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_hydra.checkpoint import rng, store
+from megatron_hydra.checkpoint.safe_reader import SafeReader, read_metadata
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
@@ -204,7 +205,7 @@ class _Loader:
 def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_optimizer: bool = True) -> None:
     """Fill this rank's parameters (and AdamW state unless ``load_optimizer`` is false) from the
     checkpoint at ``path``, whatever layout wrote it (collective: every rank calls it)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     saved = {k[len("model/"):]: list(v.size) for k, v in metadata.items() if k.startswith("model/")}
     has_optimizer = any(k.startswith("optim/") for k in metadata)
     local = entries(model)
@@ -218,7 +219,7 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
             loader.add(f"optim/{e.name}/step", state["step"], Entry(e.name, e.param, None, False, e.copy))
             for key in ADAM_KEYS:
                 loader.add(f"optim/{e.name}/{key}", state[key], e)
-    dcp.load(loader.sd, storage_reader=dcp.FileSystemReader(path))
+    dcp.load(loader.sd, storage_reader=SafeReader(path))
     loader.finish()
 
 
