@@ -30,7 +30,6 @@ from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.metrics import model_flops_per_step
 from megatron_hydra.training.module import param_groups
 from megatron_hydra.training.schedules import lr_at
-from megatron_hydra.training.train import split_sizes
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WARMUP = 3  # steps excluded from timing on both sides (allocator and thread-pool warm-up)
@@ -53,7 +52,7 @@ def bare_loop_step_times(cfg, derived, steps: int):
     opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     gbs, nmb = cfg.data.global_batch_size, derived.num_microbatches
     ds, _, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
-                              num_samples=split_sizes(cfg), vocab_size=tcfg.vocab_size)
+                              num_samples=derived.split_samples, vocab_size=tcfg.vocab_size)
     loader = DataLoader(ds, batch_sampler=GlobalBatchSampler(steps * gbs, gbs, 0, 1))
     times, last = [], time.perf_counter()
     for step, batch in enumerate(loader):

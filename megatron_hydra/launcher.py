@@ -108,10 +108,9 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
         # Build (or find cached) corpus and index arrays now: a bad file is a one-line DataError
         # before any worker starts, and workers then only open caches.
         from megatron_hydra.data.builders import build_datasets
-        from megatron_hydra.training.train import split_sizes
 
         build_datasets(cfg.data, seq_length=derived.transformer.seq_length, seed=cfg.data.seed,
-                       num_samples=split_sizes(cfg), vocab_size=derived.transformer.vocab_size)
+                       num_samples=derived.split_samples, vocab_size=derived.transformer.vocab_size)
 
 
 def write_config(cfg: RunConfig, run_dir: str) -> str:

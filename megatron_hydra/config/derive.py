@@ -47,6 +47,10 @@ class Derived:
     num_microbatches: int
     layers_per_stage: Tuple[int, ...]  # one entry per virtual stage, in model order
     transformer: TransformerConfig
+    # Samples the train/valid/test splits must provide: every step's global batch, and the first
+    # limit_val_batches global batches of the valid split (the same ones at each validation, so
+    # validation losses are comparable along the run).
+    split_samples: Tuple[int, int, int] = (0, 0, 0)
 
 
 def _get(cfg: RunConfig, key: str):
@@ -296,7 +300,9 @@ def derive(cfg: RunConfig) -> Derived:
         sequence_parallel=par.sequence_parallel,
         params_dtype=DTYPES[cfg.precision.params_dtype],
     )
+    gbs, trainer = cfg.data.global_batch_size, cfg.trainer
+    split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)
     return Derived(
         world_size=world, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, num_microbatches=nmb,
-        layers_per_stage=layers, transformer=transformer,
+        layers_per_stage=layers, transformer=transformer, split_samples=split_samples,
     )

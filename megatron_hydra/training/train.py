@@ -60,24 +60,16 @@ def _write_derived(run_dir: str, derived: Derived) -> None:
     values["transformer"] = {k: str(v) if isinstance(v, torch.dtype) else v
                              for k, v in derived.transformer.__dict__.items()}
     values["layers_per_stage"] = list(derived.layers_per_stage)
+    values["split_samples"] = list(derived.split_samples)
     with open(os.path.join(run_dir, "derived.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(values)))
-
-
-def split_sizes(cfg: RunConfig) -> tuple:
-    """Samples each split must provide: every step's global batch, and the first
-    ``limit_val_batches`` global batches of the valid split (the same ones at each validation,
-    so validation losses are comparable along the run)."""
-    gbs = cfg.data.global_batch_size
-    valid = cfg.trainer.limit_val_batches * gbs if cfg.trainer.val_check_interval else 0
-    return (cfg.trainer.max_steps * gbs, valid, 0)
 
 
 def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consumed_samples: int = 0):
     """Train (and, when validation is on, valid) loaders yielding this DP rank's share of each
     global batch; training starts after ``consumed_samples`` (a resumed run)."""
     tcfg = derived.transformer
-    sizes = split_sizes(cfg)
+    sizes = derived.split_samples
     train_ds, valid_ds, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
                                            num_samples=sizes, vocab_size=tcfg.vocab_size)
 
