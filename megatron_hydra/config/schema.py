@@ -66,8 +66,30 @@ class ParallelConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"
-    # float32 for training; float64 exists so that numerics tests can compare layouts at 1e-9.
+    # Dtype of model weights and activations: float32, bfloat16 or float16 (the latter two keep fp32
+    # main weights in the optimizer and reduce grads in fp32); float64 exists so that numerics
+    # tests can compare layouts at 1e-9.
     params_dtype: str = "float32"
+    # Dynamic loss scaling, used with float16 only: start at initial_loss_scale, halve it after
+    # ``hysteresis`` consecutive overflowing steps (never below min_loss_scale), double it after
+    # loss_scale_window steps without overflow.
+    initial_loss_scale: float = 65536.0
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation (Korthikanti et al. 2022)."""
+
+    # null: keep all activations; full: keep only each recomputed layer's input; selective: keep all
+    # but core attention (softmax(QK^T)V), which is recomputed in backward.
+    granularity: Optional[str] = None
+    # full only. uniform: checkpoint layers in chunks of num_layers; block: checkpoint the first
+    # num_layers layers of each pipeline stage, keep the rest.
+    method: str = "uniform"
+    num_layers: int = 1
 
 
 @dataclass
@@ -110,6 +132,8 @@ class OptimConfig:
     # None -> trainer.max_steps.
     decay_steps: Optional[int] = None
     lr_schedule: str = "cosine"  # cosine | linear | constant
+    # ZeRO-1 as Megatron's: fp32 main weights and Adam state sharded over data-parallel ranks.
+    distributed_optimizer: bool = False
 
 
 @dataclass
@@ -128,6 +152,9 @@ class TrainerConfig:
     limit_val_batches: int = 10
     # Seconds a collective may wait before the run is declared hung and stopped.
     collective_timeout_s: int = 600
+    # Memory of one device in GiB, for the memory plan; None -> read from the device (GPU) or the
+    # machine's RAM divided by the local ranks (CPU).
+    device_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -158,10 +185,12 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # train | plan (print the per-rank memory plan, no training)
     mode: str = "train"
     seed: int = 1234
     # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.

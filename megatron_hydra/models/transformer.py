@@ -83,11 +83,15 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
+        out = self.core_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d]."""
         p = self.cfg.attention_dropout if self.training else 0.0
         with tp_rng(sharded=True) if p > 0 else nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                 enable_gqa=self.heads_per_group > 1)
-        return self.proj(out.transpose(1, 2).flatten(2))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=self.heads_per_group > 1)
 
 
 class MLP(nn.Module):
