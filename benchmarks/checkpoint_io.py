@@ -45,6 +45,7 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
 
     from megatron_hydra.checkpoint.sharded import load, save
     from megatron_hydra.config import derive
+    from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import GPTModule
 
@@ -54,9 +55,9 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
     module = GPTModule(cfg, derived, ps)
-    opt = module.configure_optimizers()
+    opt = module.build_optimizer(GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size))
     for p in module.model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
+        p.grad.fill_(1e-3)
     opt.step()
     local = sum(t.numel() * t.element_size() for p in module.model.parameters()
                 for t in (p, *opt.state[p].values()))

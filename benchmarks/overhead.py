@@ -28,7 +28,6 @@ from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.metrics import model_flops_per_step
-from megatron_hydra.training.module import param_groups
 from megatron_hydra.training.schedules import lr_at
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -49,7 +48,10 @@ def bare_loop_step_times(cfg, derived, steps: int):
     model = GPTModel(tcfg, ParallelState.single())
     init_weights(model, tcfg, cfg.seed, 0, 1)
     o = cfg.optim
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     gbs, nmb = cfg.data.global_batch_size, derived.num_microbatches
     ds, _, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
                               num_samples=derived.split_samples, vocab_size=tcfg.vocab_size)

@@ -8,14 +8,15 @@
   output dir and multirun. If any worker fails, the agent stops the others at once and ``run``
   raises ``WorkerFailed`` naming the rank and its error.
 
-Config errors are raised before any process starts.
+Config errors are raised before any process starts, and so is a run whose memory plan
+(``megatron_hydra.planning``) exceeds a device; ``mode=plan`` prints that plan and starts nothing.
 """
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
-import re
 import signal
 import sys
 import uuid
@@ -24,6 +25,7 @@ from typing import Dict, Optional
 
 from omegaconf import OmegaConf
 
+from megatron_hydra import slurm
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
@@ -43,41 +45,45 @@ class ExternalLaunch:
     local_rank: int
     world_size: int
     local_world_size: int
-
-
-def _slurm_master_addr(nodelist: str) -> str:
-    """First host of a SLURM nodelist such as ``gpu[003-005,007],login1`` -> ``gpu003``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    prefix, ranges = match.group(1), match.group(2)
-    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 def detect_external(env: Optional[Dict[str, str]] = None) -> Optional[ExternalLaunch]:
-    """torchrun sets TORCHELASTIC_RUN_ID and RANK/WORLD_SIZE; an srun step sets SLURM_PROCID and
-    SLURM_STEP_NUM_TASKS. A batch script running ``python launch.py`` itself is not an external
-    launch: we spawn the local workers ourselves."""
+    """torchrun sets TORCHELASTIC_RUN_ID and RANK/WORLD_SIZE (GROUP_RANK: the node); an srun step
+    sets SLURM_PROCID and SLURM_STEP_NUM_TASKS (``megatron_hydra.slurm``). A batch script running
+    ``python launch.py`` itself is not an external launch: we spawn the local workers ourselves."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
-        return ExternalLaunch("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
-                              int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
-    # SLURM_STEP_NUM_TASKS exists only inside an srun step: a batch script that runs python
-    # directly under --ntasks>1 is not a worker of a launch, and must not wait for peers.
-    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return ExternalLaunch("slurm", int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")),
-                              int(env["SLURM_STEP_NUM_TASKS"]),
-                              int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0]))
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return ExternalLaunch("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), world, local_world,
+                              int(env.get("GROUP_RANK", "0")), max(1, world // max(1, local_world)))
+    if slurm.in_srun_step(env):
+        return ExternalLaunch("slurm", **slurm.step_layout(env))
     return None
 
 
 def slurm_rendezvous_env(env: Dict[str, str]) -> Dict[str, str]:
     """The variables torch.distributed's env:// init needs, derived from SLURM's."""
-    return {
-        "RANK": env["SLURM_PROCID"],
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")),
-        "MASTER_ADDR": env.get("MASTER_ADDR") or _slurm_master_addr(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
-    }
+    return slurm.rendezvous_env(env)
+
+
+def check_external_layout(cfg: RunConfig, derived: Derived, external: ExternalLaunch) -> None:
+    """The ranks torchrun or SLURM started must be the ones the config describes: the parallel
+    layout (and which ranks share a node, hence fast links) follows from trainer.devices x
+    trainer.num_nodes, so a disagreement is a config error, not something to adapt to."""
+    how = {"torchrun": "torchrun --nnodes/--nproc-per-node", "slurm": "SLURM --nodes/--ntasks-per-node"}[external.kind]
+    if external.world_size != derived.world_size:
+        raise ConfigError(
+            f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
+            f"{cfg.trainer.devices}x{cfg.trainer.num_nodes} = {derived.world_size}: make them agree ({how})"
+        )
+    if external.local_world_size != cfg.trainer.devices:
+        raise ConfigError(
+            f"the {external.kind} launch runs {external.local_world_size} ranks on node {external.node_rank} but "
+            f"trainer.devices={cfg.trainer.devices}: set trainer.devices={external.local_world_size} and "
+            f"trainer.num_nodes={external.num_nodes}, or change {how}"
+        )
 
 
 def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> None:
@@ -92,13 +98,12 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
                 f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} GPUs: lower it"
             )
     from megatron_hydra.checkpoint.callback import start_point
+    from megatron_hydra.planning.fit import check_fits
 
+    check_fits(cfg, derived)  # the memory plan against the device: a run that cannot fit stops here
     start_point(cfg, derived)  # a missing, incomplete or mismatching checkpoint fails here, in one line
-    if external is not None and external.world_size != derived.world_size:
-        raise ConfigError(
-            f"the {external.kind} launch has {external.world_size} ranks but trainer.devices x trainer.num_nodes = "
-            f"{cfg.trainer.devices}x{cfg.trainer.num_nodes} = {derived.world_size}: make them agree"
-        )
+    if external is not None:
+        check_external_layout(cfg, derived, external)
     if external is None and cfg.trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "
@@ -107,10 +112,12 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
     if cfg.data.name != "synthetic" and (external is None or external.rank == 0):
         # Build (or find cached) corpus and index arrays now: a bad file is a one-line DataError
         # before any worker starts, and workers then only open caches.
+        from megatron_hydra.data.arch_datasets import dataset_factory
         from megatron_hydra.data.builders import build_datasets
 
         build_datasets(cfg.data, seq_length=derived.transformer.seq_length, seed=cfg.data.seed,
-                       num_samples=derived.split_samples, vocab_size=derived.transformer.vocab_size)
+                       num_samples=derived.split_samples, vocab_size=derived.transformer.vocab_size,
+                       make_dataset=dataset_factory(cfg.data, derived.transformer, cfg.data.seed))
 
 
 def write_config(cfg: RunConfig, run_dir: str) -> str:
@@ -138,7 +145,7 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
         max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(cfg.run_dir, "workers")),
     )
-    previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
+    previous = {sig: signal.signal(sig, _forward_to_workers) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
         elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
     except ChildFailedError as e:
@@ -146,11 +153,12 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
         summary = failure_summary(cfg.run_dir, rank, e.failures[rank].exitcode)
         raise WorkerFailed(f"rank {rank} failed: {summary}") from None
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _forward_to_workers(signum, frame) -> None:
-    """SIGUSR1 to the launcher asks every local worker to save and stop (the workers run in their
+    """SIGUSR1/SIGUSR2 to the launcher ask every local worker to save and stop (the workers run in their
     own sessions, so a signal to the launcher alone would not reach them)."""
     for task in os.listdir("/proc/self/task"):
         try:
@@ -185,9 +193,33 @@ def failure_summary(run_dir: str, rank: int, exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def run(cfg: RunConfig) -> None:
-    """Validate, then train with this process as a worker or with spawned local workers."""
+def final_validation_loss(run_dir: str) -> Optional[float]:
+    """The last ``val_loss`` rank 0 logged (``csv/metrics.csv``), or None without validation.
+    Read from the run dir rather than passed back by the workers: it is the one record every
+    way of launching shares, and it is complete once the workers have ended."""
+    path = os.path.join(run_dir, "csv", "metrics.csv")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        values = [row["val_loss"] for row in csv.DictReader(f) if row.get("val_loss")]
+    return float(values[-1]) if values else None
+
+
+def run(cfg: RunConfig) -> Optional[float]:
+    """Validate, then train with this process as a worker or with spawned local workers. Returns
+    the final validation loss (the objective of a sweep) where this process can see the run end:
+    always when it spawned the workers, on rank 0 of a submitit job; None without validation."""
+    if cfg.mode == "plan_layouts":
+        from megatron_hydra.planning.layouts import run_planner
+
+        run_planner(cfg)  # plans for cfg.cluster, not for this config's own layout
+        return None
     derived = derive(cfg)
+    if cfg.mode == "plan":  # the per-rank memory table, no workers
+        from megatron_hydra.planning.memory import plan_memory
+
+        print(plan_memory(cfg, derived).table())
+        return None
     external = detect_external()
     preflight(cfg, derived, external)
     from megatron_hydra.training.worker import run_worker, run_worker_and_exit
@@ -196,7 +228,15 @@ def run(cfg: RunConfig) -> None:
     if external is not None:
         if external.kind == "slurm":
             os.environ.update(slurm_rendezvous_env(dict(os.environ)))
-        run_worker_and_exit(cfg, derived, external.rank, external.local_rank, external.local_world_size)
+        if "SUBMITIT_EXECUTOR" not in os.environ:
+            run_worker_and_exit(cfg, derived, external.rank, external.local_rank, external.local_world_size)
+        # A submitit task returns, so that submitit records its result (rank 0's is the job's)...
+        run_worker(cfg, derived, external.local_rank, external.local_world_size)
+        if slurm.requeued():
+            # ...unless rank 0 requeued the job: then no result, so that submitit's client waits
+            # for the requeued run's instead of taking this partial run's as final.
+            os._exit(0)
+        return final_validation_loss(cfg.run_dir) if external.rank == 0 else None
     if derived.world_size == 1:
         # In this process; a fresh port per run, so multirun jobs never meet a stale store.
         from megatron_hydra.training.worker import free_port
@@ -204,5 +244,6 @@ def run(cfg: RunConfig) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")
         run_worker(cfg, derived, local_rank=0, local_world_size=1)
-        return
+        return final_validation_loss(cfg.run_dir)
     _spawn_local(cfg, derived, config_path)
+    return final_validation_loss(cfg.run_dir)

@@ -21,6 +21,7 @@ def build(layout, world):
     import torch.distributed as dist
 
     from megatron_hydra.config import derive
+    from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import GPTModule
 
@@ -28,7 +29,8 @@ def build(layout, world):
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp) if dist.is_initialized() else ParallelState.single()
     module = GPTModule(cfg, derived, ps)
-    return derived, ps, module.model, module.configure_optimizers()
+    buffer = GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size)
+    return derived, ps, module.model, module.build_optimizer(buffer)
 
 
 def train_two_steps(model, opt, derived, ps):

@@ -98,7 +98,7 @@ BAD = [
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["model.position_embedding=alibi"], "model.position_embedding"),
     (["model.normalization=batchnorm"], "model.normalization"),
-    (["model.activation=relu"], "model.activation"),
+    (["model.activation=tanh"], "model.activation"),
     (["precision.params_dtype=int8"], "precision.params_dtype"),
     (["optim.lr_schedule=step"], "optim.lr_schedule"),
     (["optim.lr=0.001", "optim.min_lr=0.01"], "optim.min_lr"),

@@ -30,6 +30,7 @@ def test_default_run_trains_with_falling_loss(tmp_path, env_no_launcher):
         assert key in rows[-1]
     assert (tmp_path / "resolved_config.yaml").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert "sample from the trained model:\ndef main(" in out.stderr + out.stdout  # trainer.generate_sample_tokens
 
 
 def test_multirun_two_jobs_of_two_ranks(tmp_path, env_no_launcher):

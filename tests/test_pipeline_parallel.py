@@ -101,8 +101,7 @@ def _train_and_inspect(rank, world, overrides, run_dir):
     tied = [p for chunk in module.model for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
     before = [p.detach().numpy().copy() for p in tied]
     module.pipeline.events = []
-    strategy = MegatronStrategy(ps, torch.device("cpu"), clip_grad=cfg.optim.clip_grad,
-                                grad_bucket_size=cfg.parallel.grad_bucket_size)
+    strategy = MegatronStrategy(ps, torch.device("cpu"), grad_bucket_size=cfg.parallel.grad_bucket_size)
     train_loader, _ = build_dataloaders(cfg, derived, ps)
     build_trainer(cfg, derived, strategy, rank).fit(module, train_dataloaders=train_loader)
     return {

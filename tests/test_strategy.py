@@ -13,7 +13,7 @@ def _reduce(rank, world):
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.strategy import MegatronStrategy
 
-    strategy = MegatronStrategy(ParallelState.build(dp=world), torch.device("cpu"), clip_grad=1.0, grad_bucket_size=10)
+    strategy = MegatronStrategy(ParallelState.build(dp=world), torch.device("cpu"), grad_bucket_size=10)
     x = torch.tensor([float(rank + 1)])
     return {op: float(strategy.reduce(x, reduce_op=op)) for op in ("mean", "sum", "max", dist.ReduceOp.MIN)} | {
         "broadcast": strategy.broadcast(f"from {rank}"), "world": strategy.world_size, "rank": strategy.global_rank}

@@ -5,9 +5,12 @@ device, the optimizer) and the step boundary is ``on_train_batch_end``. Resuming
 step counters directly; the data sampler was already built at the checkpoint's consumed samples
 (``start_point``), so the run continues with the batch the stopped one would have seen next.
 
-SIGTERM and SIGUSR1 (what SLURM sends before a time limit) only set a flag; at the next step
-boundary the ranks agree on it with a one-element all-reduce (a signal may reach them at
-different steps), save, and stop cleanly. ``checkpoint.resume=auto`` then continues the run.
+SIGTERM, SIGUSR1 and SIGUSR2 (the warning signals SLURM and submitit send before a time limit)
+only set a flag; at the next step boundary the ranks agree on it with a one-element all-reduce (a
+signal may reach them at different steps), save, and stop cleanly. ``checkpoint.resume=auto`` then
+continues the run. Inside a SLURM job a warning signal also requeues the job once the save is
+complete (``checkpoint.requeue_on_signal``): this callback is the only owner of those signals while
+training, in place of submitit's and Lightning's requeue handlers (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_hydra")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Sent ahead of a time limit (sbatch --signal, submitit's signal_delay_s): save, then requeue.
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _stop_requested: List[int] = []
 
 
@@ -37,9 +42,9 @@ def checkpoint_dir(cfg: RunConfig) -> str:
 
 def logical_shapes(derived: Derived) -> Dict[str, List[int]]:
     """Every logical tensor of the whole model and its shape, from a model on the meta device."""
-    from megatron_hydra.models.gpt import GPTModel
+    from megatron_hydra.models.archs import ARCHS
 
-    model = GPTModel(derived.transformer, ParallelState.single(), device="meta")
+    model = ARCHS[derived.transformer.arch].build(derived.transformer, ParallelState.single(), device="meta")
     return sharded.logical_shapes(model, 1, derived.transformer.vocab_size)
 
 
@@ -67,7 +72,7 @@ def _request_stop(signum, frame) -> None:
 
 
 def install_stop_handlers() -> dict:
-    """Make SIGTERM/SIGUSR1 request a save-and-stop; returns the handlers they replaced. Installed
+    """Make SIGTERM/SIGUSR1/SIGUSR2 request a save-and-stop; returns the handlers they replaced. Installed
     once training has started, i.e. over Lightning's own SIGTERM handler, which would otherwise
     exit at an arbitrary point of the step (before or after our save)."""
     _stop_requested.clear()
@@ -97,6 +102,9 @@ class CheckpointCallback(pl.Callback):
         path, step = self.start["path"], int(self.start["step"])
         sharded.load(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size,
                      self.cfg.checkpoint.load_optimizer)
+        scaler = getattr(pl_module, "loss_scaler", None)
+        if scaler is not None and "loss_scaler" in self.start and self.cfg.checkpoint.load_optimizer:
+            scaler.load_state_dict(self.start["loss_scaler"])
         loop = trainer.fit_loop.epoch_loop
         progress = loop.manual_optimization.optim_step_progress.total
         progress.ready = progress.completed = step
@@ -108,17 +116,31 @@ class CheckpointCallback(pl.Callback):
                  "random states restored" if restored else "another layout: fresh random states")
 
     # Save ------------------------------------------------------------------------------------
-    def _agree_to_stop(self) -> bool:
-        flag = torch.tensor([1.0 if _stop_requested else 0.0])
+    def _agree_to_stop(self, device: torch.device) -> float:
+        """0: go on; 1: stop (SIGTERM); 2: stop, and requeue (a warning signal on any rank). The
+        flag lives on the training device: NCCL reduces no CPU tensors."""
+        warned = any(s in WARNING_SIGNALS for s in _stop_requested)
+        flag = torch.tensor([2.0 if warned else 1.0 if _stop_requested else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return flag.item()
+
+    def _requeue(self) -> None:
+        """After every rank has saved: rank 0 asks SLURM to requeue the job (nothing outside SLURM)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        if self.ps.rank == 0:
+            from megatron_hydra import slurm
+
+            slurm.requeue(os.environ)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, every = trainer.global_step, self.cfg.checkpoint.every_n_steps
-        stop = self._agree_to_stop()
+        stop = self._agree_to_stop(pl_module.device)
         if stop or (every and step % every == 0):
             self.save(trainer, pl_module)
+        if stop == 2 and self.cfg.checkpoint.requeue_on_signal:
+            self._requeue()
         if stop:
             self.stopped_by_signal = True
             trainer.should_stop = True
@@ -144,6 +166,8 @@ class CheckpointCallback(pl.Callback):
             "shapes": logical_shapes(self.derived),
             "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
         }
+        if getattr(pl_module, "loss_scaler", None) is not None:
+            meta["loss_scaler"] = pl_module.loss_scaler.state_dict()
         sharded.save(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size, meta)
         self.last_saved = step
         if self.ps.rank == 0:

@@ -1,7 +1,11 @@
 """Sharded save and load of a rank's model and AdamW state, in any layout.
 
 Every tensor is stored under its logical name (``model/layers.3.mlp.fc1.weight``,
-``optim/layers.3.mlp.fc1.weight/exp_avg``) with its logical, unsharded shape. At save and load
+``optim/layers.3.mlp.fc1.weight/exp_avg``, and for 16-bit models the fp32 main weights
+``main/layers.3.mlp.fc1.weight``) with its logical, unsharded shape. The optimizer hands its state
+over as whole TP-local tensors (``MegatronOptimizer.checkpoint_state``), gathered over
+data-parallel ranks when the distributed optimizer shards it, so a checkpoint does not depend on
+precision bookkeeping or ZeRO sharding either: any run loads it. At save and load
 time each TP-sharded local tensor is viewed as a DTensor over this rank's TP sub-mesh with
 ``Shard(tp_partition_dim)``; ``torch.distributed.checkpoint`` then writes each shard once and, on
 load, reads exactly the slice the loading rank owns, whatever tp/pp/dp wrote it. Replicated
@@ -37,6 +41,7 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.state import ParallelState
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_KEYS = ADAM_KEYS + ("main",)
 
 
 @dataclass
@@ -86,19 +91,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, step_dtype=torch.float32) -> dict:
-    """AdamW's state of ``p``, created (zeros, step 0) if the optimizer has not stepped yet, in
-    the form ``AdamW.step`` creates it, so that loading fills it in place. ``step`` takes the dtype
-    it was saved with (AdamW makes it in the default dtype, float64 while an fp64 run steps): its
-    bias corrections are computed in that dtype, so a resumed run must keep it."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=step_dtype)
-        for key in ADAM_KEYS:
-            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
 def _default_step_dtype() -> torch.dtype:
     """What AdamW would make ``step`` in now (saving before the first step)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -115,18 +107,24 @@ def _saved_view(t: torch.Tensor, e: Entry, ps: ParallelState, vocab_size: int):
     return t
 
 
+def _key(name: str, key: str) -> str:
+    return f"main/{name}" if key == "main" else f"optim/{name}/{key}"
+
+
 def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
     """What this rank contributes to a checkpoint: DCP-ready, keyed by logical name."""
     sd = {}
+    states = optimizer.checkpoint_state(_default_step_dtype()) if optimizer is not None else {}
     for e in entries(model):
         if e.copy:
             continue
         sd[f"model/{e.name}"] = _saved_view(e.param, e, ps, vocab_size)
         if optimizer is not None:
-            state = _adam_state(optimizer, e.param, _default_step_dtype())
+            state = states[e.param]
             sd[f"optim/{e.name}/step"] = state["step"]
-            for key in ADAM_KEYS:
-                sd[f"optim/{e.name}/{key}"] = _saved_view(state[key], e, ps, vocab_size)
+            for key in OPTIMIZER_KEYS:
+                if key in state:
+                    sd[_key(e.name, key)] = _saved_view(state[key], e, ps, vocab_size)
     return sd
 
 
@@ -162,8 +160,6 @@ def check_shapes(path: str, saved: Dict[str, List[int]], expected: Dict[str, Lis
     if load_optimizer and not has_optimizer:
         raise CheckpointError(f"checkpoint {path} has no optimizer state: set checkpoint.load_optimizer=false to "
                               "load the model only")
-
-
 
 
 class _Loader:
@@ -211,16 +207,34 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     local = entries(model)
     expected = {e.name: logical_shape(e, ps.tp_size, vocab_size) for e in local}
     check_shapes(path, saved, expected, has_optimizer, load_optimizer and optimizer is not None)
+    if optimizer is not None and hasattr(optimizer, "finish_param_gather"):
+        optimizer.finish_param_gather()
     loader = _Loader(ps, vocab_size)
+    states, missing_main = {}, []
+    if load_optimizer and optimizer is not None:
+        step_key = next(k for k in metadata if k.startswith("optim/") and k.endswith("/step"))
+        states = optimizer.checkpoint_state(metadata[step_key].properties.dtype)
     for e in local:
         loader.add(f"model/{e.name}", e.param, e)
-        if load_optimizer and optimizer is not None:
-            state = _adam_state(optimizer, e.param, metadata[f"optim/{e.name}/step"].properties.dtype)
+        if e.param in states:
+            state = states[e.param]
             loader.add(f"optim/{e.name}/step", state["step"], Entry(e.name, e.param, None, False, e.copy))
-            for key in ADAM_KEYS:
-                loader.add(f"optim/{e.name}/{key}", state[key], e)
+            for key in OPTIMIZER_KEYS:
+                if key not in state:
+                    continue
+                if _key(e.name, key) in metadata:
+                    loader.add(_key(e.name, key), state[key], e)
+                else:  # fp32 main weights of a checkpoint saved without them: from the model's
+                    missing_main.append((state[key], e.param))
     dcp.load(loader.sd, storage_reader=SafeReader(path))
     loader.finish()
+    with torch.no_grad():
+        for main, param in missing_main:
+            main.copy_(param)
+    if states:
+        optimizer.load_checkpoint_state(states)
+    elif optimizer is not None and hasattr(optimizer, "reload_main_from_model"):
+        optimizer.reload_main_from_model()
 
 
 def load_rng(path: str) -> bool:

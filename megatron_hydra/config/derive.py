@@ -20,17 +20,18 @@ from megatron_hydra.models.transformer_config import TransformerConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = {
-    "model.arch": ("gpt",),
-    "model.position_embedding": ("learned", "rope"),
+    "model.arch": ("gpt", "bert", "t5"),
+    "model.position_embedding": ("learned", "rope", "relative"),
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "gelu_tanh", "swiglu"),
-    "precision.params_dtype": ("float32", "float64"),
+    "model.activation": ("gelu", "gelu_tanh", "swiglu", "relu", "geglu"),
+    "precision.params_dtype": ("float32", "bfloat16", "float16", "float64"),
     "optim.lr_schedule": ("cosine", "linear", "constant"),
     "optim.name": ("adamw",),
     "trainer.accelerator": ("cpu", "gpu"),
-    "data.name": ("synthetic", "demo", "indexed"),
+    "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5"),
     "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe"),
-    "mode": ("train",),
+    "mode": ("train", "plan", "plan_layouts"),
+    "recompute.method": ("uniform", "block"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
 }
@@ -89,7 +90,8 @@ def _check_positive(cfg: RunConfig) -> None:
         value = _get(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer or null (derived)")
-    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last", "trainer.val_check_interval", "data.num_workers"):
+    for key in ("checkpoint.every_n_steps", "checkpoint.keep_last", "trainer.val_check_interval", "data.num_workers",
+                "trainer.generate_sample_tokens"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 disables it)")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
@@ -102,6 +104,13 @@ def _check_positive(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     if cfg.optim.clip_grad < 0:
         raise ConfigError(f"optim.clip_grad={cfg.optim.clip_grad} must be >= 0 (0 disables clipping)")
+    pr = cfg.precision
+    if not 0 < pr.min_loss_scale <= pr.initial_loss_scale:
+        raise ConfigError(f"precision.min_loss_scale={pr.min_loss_scale} and precision.initial_loss_scale="
+                          f"{pr.initial_loss_scale} need 0 < min_loss_scale <= initial_loss_scale")
+    for key in ("precision.loss_scale_window", "precision.hysteresis"):
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be a positive integer")
 
 
 def _parallel_degrees(cfg: RunConfig) -> Tuple[int, int, int, int, int]:
@@ -234,6 +243,55 @@ def _check_pipeline(cfg: RunConfig, pp: int, vpp: int, dp: int, nmb: int) -> Non
         )
 
 
+def _check_recompute(cfg: RunConfig, layers_per_stage: Tuple[int, ...]) -> None:
+    """Megatron's recompute settings: ``num_layers`` counts layers of one pipeline stage (chunk)."""
+    rc = cfg.recompute
+    if rc.granularity not in (None, "full", "selective"):
+        raise ConfigError(f"recompute.granularity={rc.granularity!r} is not supported: use null, full or selective")
+    if rc.granularity != "full":
+        return
+    n, largest = rc.num_layers, max(layers_per_stage)
+    if n < 1:
+        raise ConfigError(f"recompute.num_layers={n} must be a positive integer")
+    if rc.method == "block" and n > largest:
+        raise ConfigError(
+            f"recompute.num_layers={n} exceeds the {largest} layers of a pipeline stage, which recompute.method=block "
+            "recomputes at most: lower it, or use recompute.method=uniform"
+        )
+    if rc.method == "uniform" and any(layers % n for layers in layers_per_stage):
+        raise ConfigError(
+            f"recompute.num_layers={n} must divide the layers of every pipeline stage {list(layers_per_stage)} "
+            f"(recompute.method=uniform checkpoints chunks of that many layers): use one of {_divisors(math.gcd(*layers_per_stage))}"
+        )
+
+
+def _check_arch(cfg: RunConfig, pp: int) -> None:
+    """What BERT and T5 (models/bert.py, models/t5.py) support, and the data they need."""
+    m, arch = cfg.model, cfg.model.arch
+    wanted = {"gpt": ("learned", "rope"), "bert": ("learned",), "t5": ("relative",)}[arch]
+    if m.position_embedding not in wanted:
+        raise ConfigError(f"model.position_embedding={m.position_embedding!r} does not fit model.arch={arch}: "
+                          f"use {' or '.join(wanted)}")
+    if arch == "gpt":
+        return
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError(f"parallel.sequence_parallel=true is not supported for model.arch={arch}: set it to false")
+    if arch == "t5" and pp > 1:
+        raise ConfigError(f"parallel.pipeline_parallel_size={pp}: T5 (an encoder-decoder) runs without pipeline "
+                          "parallelism; set it to 1 and use tensor or data parallelism")
+    if not cfg.data.name.startswith("indexed"):
+        raise ConfigError(f"data.name={cfg.data.name!r}: model.arch={arch} trains on sentence-split indexed data; "
+                          f"use data=indexed_{arch} (docs/models.md shows how to make it)")
+    if not 0 < cfg.data.masked_lm_prob < 1 or not 0 <= cfg.data.short_seq_prob <= 1:
+        raise ConfigError(f"data.masked_lm_prob={cfg.data.masked_lm_prob} must be in (0, 1) and "
+                          f"data.short_seq_prob={cfg.data.short_seq_prob} in [0, 1]")
+    if cfg.data.mean_noise_span_length < 1:
+        raise ConfigError(f"data.mean_noise_span_length={cfg.data.mean_noise_span_length} must be >= 1")
+    for key in ("model.num_decoder_layers", "model.decoder_seq_length"):
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be a positive integer or null (derived)")
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron pads the vocabulary so that each tensor-parallel shard is a multiple of
     ``divisible_by`` (fast matmul shapes, equal shards)."""
@@ -264,7 +322,13 @@ def derive(cfg: RunConfig) -> Derived:
     ffn = _ffn_size(cfg, tp)
     layers = _layers_per_stage(cfg, pp, vpp)
     nmb = _num_microbatches(cfg, dp)
-    _check_pipeline(cfg, pp, vpp, dp, nmb)
+    try:
+        _check_pipeline(cfg, pp, vpp, dp, nmb)
+    except ConfigError:
+        if cfg.mode != "plan":  # a plan still shows the layout; its table repeats this error as a note
+            raise
+    _check_recompute(cfg, layers)
+    _check_arch(cfg, pp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
@@ -299,6 +363,16 @@ def derive(cfg: RunConfig) -> Derived:
         init_std=m.init_std,
         sequence_parallel=par.sequence_parallel,
         params_dtype=DTYPES[cfg.precision.params_dtype],
+        recompute_granularity=cfg.recompute.granularity,
+        recompute_method=cfg.recompute.method,
+        recompute_num_layers=cfg.recompute.num_layers,
+        arch=m.arch,
+        softmax_scale=1.0 if m.arch == "t5" else None,
+        binary_head=m.arch == "bert" and m.binary_head,
+        num_decoder_layers=(m.num_decoder_layers or m.num_layers) if m.arch == "t5" else 0,
+        decoder_seq_length=(m.decoder_seq_length or m.seq_length) if m.arch == "t5" else 0,
+        relative_attention_num_buckets=m.relative_attention_num_buckets,
+        relative_attention_max_distance=m.relative_attention_max_distance,
     )
     gbs, trainer = cfg.data.global_batch_size, cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)

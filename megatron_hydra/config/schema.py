@@ -19,7 +19,7 @@ class ModelConfig:
     """Shape and flavour of the network. Published shapes live in ``conf/model/*.yaml``."""
 
     name: str = "gpt_tiny"
-    arch: str = "gpt"
+    arch: str = "gpt"  # gpt | bert | t5 (docs/models.md)
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -34,16 +34,23 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None
     vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
-    position_embedding: str = "learned"  # learned | rope
+    position_embedding: str = "learned"  # learned | rope | relative (T5's buckets)
     rope_theta: float = 10000.0
     normalization: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama)
+    activation: str = "gelu"  # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama) | relu (T5) | geglu (T5 v1.1)
     add_bias_linear: bool = True
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
+    # BERT: the sentence-order prediction head (pooler + 2-way classifier on [CLS]).
+    binary_head: bool = False
+    # T5: decoder depth (None -> num_layers), decoder length (None -> seq_length), position buckets.
+    num_decoder_layers: Optional[int] = None
+    decoder_seq_length: Optional[int] = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
 
 @dataclass
@@ -70,9 +77,9 @@ class PrecisionConfig:
     # main weights in the optimizer and reduce grads in fp32); float64 exists so that numerics
     # tests can compare layouts at 1e-9.
     params_dtype: str = "float32"
-    # Dynamic loss scaling, used with float16 only: start at initial_loss_scale, halve it after
-    # ``hysteresis`` consecutive overflowing steps (never below min_loss_scale), double it after
-    # loss_scale_window steps without overflow.
+    # Dynamic loss scaling, used with float16 only: start at initial_loss_scale; halve it (never
+    # below min_loss_scale) after ``hysteresis`` overflowing steps; double it after
+    # loss_scale_window steps without overflow, which also resets the hysteresis count.
     initial_loss_scale: float = 65536.0
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -103,7 +110,7 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | demo | indexed
+    name: str = "synthetic"  # synthetic | demo | indexed (indexed_bert, indexed_t5: its BERT / T5 presets)
     micro_batch_size: int = 4
     global_batch_size: int = 8
     # indexed: [prefix] or [weight, prefix, weight, prefix, ...] of Megatron .bin/.idx pairs.
@@ -116,6 +123,13 @@ class DataConfig:
     cache_dir: Optional[str] = None
     num_workers: int = 0
     seed: int = 1234
+    # BERT and T5 samples (model.arch=bert|t5; docs/models.md): the fraction of tokens masked
+    # (T5: the noise density), the chance of a shorter sample, whole-word masking (BERT), and
+    # T5's mean noise-span length.
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    whole_word_masking: bool = False
+    mean_noise_span_length: float = 3.0
 
 
 @dataclass
@@ -155,6 +169,9 @@ class TrainerConfig:
     # Memory of one device in GiB, for the memory plan; None -> read from the device (GPU) or the
     # machine's RAM divided by the local ranks (CPU).
     device_memory_gb: Optional[float] = None
+    # When training ends, rank 0 prints a sample of this many tokens from the trained GPT (real
+    # text data and tp = pp = 1 only; 0 disables it).
+    generate_sample_tokens: int = 48
 
 
 @dataclass
@@ -176,6 +193,29 @@ class CheckpointConfig:
     load: Optional[str] = None
     # false: load the model only, with fresh optimizer state (e.g. from a weights-only checkpoint).
     load_optimizer: bool = True
+    # Inside a SLURM job, SIGUSR1/SIGUSR2 (time limit near) save a checkpoint and then requeue the
+    # job (scontrol requeue); the requeued job resumes from it. false: save and stop only.
+    requeue_on_signal: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    """A GPU cluster as the layout planner (``mode=plan_layouts``) sees it: ``conf/cluster/*.yaml``.
+    Bandwidths are per GPU and per direction, as vendors quote link rates (GB/s = 1e9 bytes/s)."""
+
+    name: str = "a100_80g_x1024"
+    gpu: str = "A100-SXM4-80GB"
+    # Dense (not sparse) bf16/fp16 tensor-core peak, TFLOP/s.
+    peak_tflops: float = 312.0
+    memory_gb: float = 80.0
+    # HBM bandwidth, GB/s: the speed of the memory-bound (elementwise, softmax) kernels.
+    hbm_gb_per_s: float = 2039.0
+    gpus_per_node: int = 8
+    num_nodes: int = 128
+    # NVLink through NVSwitch, within a node.
+    nvlink_gb_per_s: float = 300.0
+    # InfiniBand between nodes, one adapter per GPU.
+    ib_gb_per_s: float = 25.0
 
 
 @dataclass
@@ -190,7 +230,10 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # train | plan (print the per-rank memory plan, no training)
+    # The cluster the layout planner plans for (mode=plan_layouts); null when not planning.
+    cluster: Optional[ClusterConfig] = None
+    # train | plan (print the per-rank memory plan, no training) | plan_layouts (rank parallel layouts
+    # for the cluster given by cluster=..., no training)
     mode: str = "train"
     seed: int = 1234
     # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -26,6 +26,8 @@ from megatron_hydra.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
+# data.name values that read data.blend: the plain one and the BERT / T5 presets of conf/data/.
+INDEXED = ("indexed", "indexed_bert", "indexed_t5")
 # Below this many tokens the whole file is checked against the vocabulary; above, a sample.
 _FULL_CHECK_TOKENS = 1 << 24
 _CHECKED_SEQUENCES = 1024
@@ -106,15 +108,18 @@ def _corpora(data_cfg) -> List[Tuple[float, str]]:
     if data_cfg.name == "demo":
         prefix, _ = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
         return [(1.0, prefix)]
-    if data_cfg.name == "indexed":
+    if data_cfg.name in INDEXED:
         return parse_blend(data_cfg.blend)
     raise ConfigError(f"data.name={data_cfg.name!r}: build_datasets handles demo and indexed")
 
 
 def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[int, int, int],
-                   vocab_size: int) -> Tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
+                   vocab_size: int, make_dataset: Optional[Callable] = None
+                   ) -> Tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
     """Train, valid and test datasets with at least ``num_samples[i]`` items each (None for a
-    split with no documents or no samples requested). Call on every rank."""
+    split with no documents or no samples requested). Call on every rank. ``make_dataset(indexed,
+    documents, num_samples, split name)`` builds another kind of samples than GPT's
+    (``arch_datasets.dataset_factory``)."""
     if data_cfg.name == "synthetic":
         return tuple(SyntheticDataset(max(n, 1), seq_length, vocab_size, seed + i) if n > 0 or i == 0 else None
                      for i, n in enumerate(num_samples))
@@ -126,7 +131,7 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
             raise DataError(f"{ds.prefix}.bin: no tokens: the corpus is empty")
     proportions = parse_split(data_cfg.split)
     splits = [split_documents(ds.num_documents, proportions) for _, ds in opened]
-    cache = data_cfg.cache_dir if data_cfg.name == "indexed" else None
+    cache = data_cfg.cache_dir if data_cfg.name in INDEXED else None
     out: List[Optional[Dataset]] = []
     for s, name in enumerate(SPLIT_NAMES):
         parts = [(w, ds, docs[s]) for (w, ds), docs in zip(opened, splits) if len(docs[s])]
@@ -141,8 +146,11 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
                         name, len(opened) - len(parts), len(opened))
         weights = [w for w, _, _ in parts]
         sizes = [num_samples[s]] if len(parts) == 1 else BlendedDataset.required_sizes(weights, num_samples[s])
-        datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name)
-                    for (_, ds, docs), n in zip(parts, sizes)]
+        if make_dataset is None:
+            datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name)
+                        for (_, ds, docs), n in zip(parts, sizes)]
+        else:
+            datasets = [make_dataset(ds, docs, int(n), name) for (_, ds, docs), n in zip(parts, sizes)]
         out.append(datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples[s]))
     return out[0], out[1], out[2]
 
@@ -153,7 +161,7 @@ def build_tokenizer_for(data_cfg) -> Tokenizer:
         _, tok_cfg = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
         return build_tokenizer(tok_cfg)
     tok_cfg = data_cfg.tokenizer
-    if data_cfg.name == "indexed" and tok_cfg.type == "bpe" and not tok_cfg.path:
+    if data_cfg.name in INDEXED and tok_cfg.type == "bpe" and not tok_cfg.path:
         # preprocess saved it as OUTPUT_PREFIX_tokenizer.json beside OUTPUT_PREFIX_KEY_document.*
         prefix = parse_blend(data_cfg.blend)[0][1]
         guess = re.sub(r"_[^_/\\]+_document$", "", prefix) + "_tokenizer.json"

@@ -6,6 +6,10 @@
 writes ``data/my_corpus_text_document.bin`` / ``.idx`` (one pair per json key), and with
 ``tokenizer.type=bpe`` also ``data/my_corpus_tokenizer.json``, trained on the input first.
 
+``split_sentences=true`` writes one sequence per sentence and marks each document's end in the
+index, as Megatron's ``--split-sentences`` (the input of BERT and T5 samples; pass
+``append_eod=false`` with it).
+
 ``input`` is a ``.jsonl`` file (one JSON object per line), a ``.txt`` file (one document per
 file) or a directory searched recursively for both, in sorted order. Arguments are Hydra-style
 ``key=value`` overrides of ``PreprocessConfig``; an unknown key or a wrong type is an error.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -56,6 +61,9 @@ class PreprocessConfig:
     # A jsonl line that is not a JSON object with a string under every key: stop | skip.
     on_bad_line: str = "stop"
     append_eod: bool = True
+    # One sequence per sentence, documents marked in the index (Megatron's --split-sentences): the
+    # input of BERT and T5 samples. Pass append_eod=false with it for BERT/T5 corpora.
+    split_sentences: bool = False
     # Text per batch handed to a worker, and the largest piece of a .txt file tokenized at once.
     chunk_bytes: int = 1 << 20
     progress: bool = True
@@ -145,10 +153,21 @@ _W: Dict[str, object] = {}
 
 
 def _init_worker(tok_cfg: TokenizerConfig, keys: List[str], dtype: str, append_eod: bool,
-                 single_thread: bool) -> None:
+                 single_thread: bool, split: bool = False) -> None:
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _W.update(tok=build_tokenizer(tok_cfg), keys=keys, dtype=np.dtype(dtype), eod=append_eod)
+    _W.update(tok=build_tokenizer(tok_cfg), keys=keys, dtype=np.dtype(dtype), eod=append_eod, split=split)
+
+
+# A sentence ends at . ! or ? (perhaps followed by a closing quote or bracket) before whitespace,
+# or at a blank line. A rule rather than a trained splitter: no model to download, same output
+# on every machine.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]])\s+|\n\s*\n")
+
+
+def split_sentences(text: str) -> List[str]:
+    """The non-empty sentences of ``text``, stripped."""
+    return [s for s in (p.strip() for p in _SENTENCE_END.split(text)) if s]
 
 
 def _parse(item: Item, keys: List[str]) -> Tuple[Optional[List[str]], str]:
@@ -168,13 +187,19 @@ def _parse(item: Item, keys: List[str]) -> Tuple[Optional[List[str]], str]:
 
 
 def encode_batch(batch: List[Item]):
-    """Worker task: per item ``(file index, line, arrays per key or None, ends_doc, why bad)``,
-    and the number of input bytes the batch covered."""
+    """Worker task: per item ``(file index, line, sequences per key or None, ends_doc, why bad)``
+    (one sequence per item, or one per sentence with ``split_sentences``), and the number of
+    input bytes the batch covered."""
     tok: Tokenizer = _W["tok"]
     keys, dtype = _W["keys"], _W["dtype"]
     parsed = [_parse(item, keys) for item in batch]
     good = [texts for texts, _ in parsed if texts is not None]
-    encoded = [tok.encode_batch([texts[k] for texts in good]) for k in range(len(keys))] if good else []
+    pieces = split_sentences if _W["split"] else (lambda text: [text])
+    encoded = []  # per key, per good item: the ids of each of its pieces
+    for k in range(len(keys)):
+        split = [pieces(texts[k]) for texts in good]
+        flat = iter(tok.encode_batch([p for ps in split for p in ps]) if any(split) else [])
+        encoded.append([[next(flat) for _ in ps] for ps in split])
     out, g = [], 0
     for item, (texts, why) in zip(batch, parsed):
         fi, line_no, is_json, _, ends_doc = item
@@ -183,11 +208,11 @@ def encode_batch(batch: List[Item]):
             continue
         arrays = []
         for ids_of_key in encoded[:len(texts)]:
-            ids = ids_of_key[g]
+            seqs = ids_of_key[g] or [[]]
             # An empty json text stays empty, so that the document is skipped altogether.
-            if ends_doc and _W["eod"] and (ids or not is_json):
-                ids = ids + [tok.eod]
-            arrays.append(np.asarray(ids, dtype=dtype))
+            if ends_doc and _W["eod"] and (any(seqs) or not is_json):
+                seqs[-1] = seqs[-1] + [tok.eod]
+            arrays.append([np.asarray(ids, dtype=dtype) for ids in seqs])
         g += 1
         out.append((fi, line_no, arrays, ends_doc, ""))
     return out, sum(len(item[3]) for item in batch)
@@ -248,7 +273,7 @@ def preprocess(cfg: PreprocessConfig) -> Dict[str, str]:
         raise ConfigError(f"json_keys={keys}: .txt inputs have a single text field; give one key")
     tok_cfg = _prepare_tokenizer(cfg, files)
     dtype = np.dtype(indexed.token_dtype(build_tokenizer(tok_cfg).vocab_size))
-    init = (tok_cfg, keys, dtype.str, cfg.append_eod, cfg.workers > 1)
+    init = (tok_cfg, keys, dtype.str, cfg.append_eod, cfg.workers > 1, cfg.split_sentences)
     prefixes = {k: f"{cfg.output_prefix}_{k}_document" for k in keys}
     writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
     total = sum(os.path.getsize(f) for f in files)
@@ -294,9 +319,10 @@ def _convert(cfg, files, keys, writers, init, total) -> dict:
                     stats["bad"] += 1
                     _bad_line(cfg, files[fi], line_no, why, stats["bad"])
                     continue
-                for k, arr in zip(keys, arrays):
-                    if len(arr):
-                        writers[k].add_item(arr)
+                for k, seqs in zip(keys, arrays):
+                    for arr in seqs:
+                        if len(arr):
+                            writers[k].add_item(arr)
                     if ends_doc:
                         writers[k].end_document()
             stats["bytes"] += nbytes

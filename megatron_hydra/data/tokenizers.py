@@ -50,6 +50,14 @@ class Tokenizer(ABC):
         """Encode many texts; tokenizers with a native batch path override this."""
         return [self.encode(t) for t in texts]
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The id of a special token spelled ``token`` ([CLS], <extra_id_0>, ...), or None."""
+        return None
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        """The vocabulary entry of id ``i`` as the tokenizer spells it (e.g. "##ing"), or None."""
+        return None
+
 
 class ByteTokenizer(Tokenizer):
     """Ids 0..255 are UTF-8 bytes, 256 is end of document."""
@@ -59,6 +67,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return bytes([i]).decode("latin-1") if 0 <= i < 256 else None
 
     def decode(self, ids: Sequence[int]) -> str:
         # Ids a model may sample beyond the bytes (eod, padding) are dropped, not fatal.
@@ -99,6 +110,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self._tok.id_to_token(i)
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; end of document is its EOS id."""
@@ -127,6 +144,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self._sp.id_to_piece(i)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, path: str, length: Optional[int] = None) -> HFTokenizer:

@@ -23,6 +23,7 @@ from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import VocabParallelEmbedding, parallel_lm_logits, tp_param
 from megatron_hydra.parallel.random import dropout
+from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -62,11 +63,12 @@ class GPTModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.cfg.tie_embeddings else self.output_weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, hidden], or this rank's [batch, seq / tp, hidden] slice under SP."""
+    def embed(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        """[batch, seq, hidden], or this rank's [batch, seq / tp, hidden] slice under SP.
+        ``position_offset``: the position of the first token (generation with a KV cache)."""
         x = self.embedding(tokens)
         if self.cfg.position_embedding == "learned":
-            start = self.ps.tp_rank * x.shape[1] if self.cfg.sequence_parallel else 0
+            start = self.ps.tp_rank * x.shape[1] if self.cfg.sequence_parallel else position_offset
             x = x + self.position_embedding(torch.arange(start, start + x.shape[1], device=tokens.device))
         return dropout(x, self.cfg.hidden_dropout, self.training, sharded=self.cfg.sequence_parallel)
 
@@ -79,13 +81,19 @@ class GPTModel(nn.Module):
             logits[..., max(first_padded, 0):] = float("-inf")  # in place: linear keeps no output for backward
         return logits
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.
         On a pipeline stage without the embedding, ``tokens`` is the hidden state from the
-        previous stage; on one without the head, the hidden state is returned."""
-        x = self.embed(tokens) if self.pre_process else tokens
-        for block in self.layers.values():
-            x = block(x)
+        previous stage; on one without the head, the hidden state is returned. ``kv_cache``
+        (generation): ``tokens`` continue the sequence whose keys and values it holds."""
+        x = self.embed(tokens, 0 if kv_cache is None else kv_cache.offset) if self.pre_process else tokens
+        if kv_cache is None:
+            c = self.cfg
+            x = run_layers(list(self.layers.values()), x, c.recompute_granularity, c.recompute_method,
+                           c.recompute_num_layers, self.training)
+        else:
+            for block in self.layers.values():
+                x = block(x, kv_cache)
         if not self.post_process:
             return x
         logits = self.head(x)

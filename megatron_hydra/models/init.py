@@ -19,7 +19,8 @@ from torch import nn
 from megatron_hydra.models.transformer_config import TransformerConfig
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
-VOCAB_TABLES = ("embedding.weight", "output_weight")  # [padded_vocab, hidden], vocab-parallel
+# [padded_vocab, ...], vocab-parallel; BERT's masked-LM bias is one too (zero like every bias).
+VOCAB_TABLES = ("embedding.weight", "output_weight", "lm_head.bias")
 
 
 def _full_shape(p: torch.Tensor, tp_size: int):

@@ -13,6 +13,8 @@ gives each rank its own slice of it (the sharded stream again).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from torch import nn
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from megatron_hydra.parallel.random import dropout, tp_rng
+from megatron_hydra.parallel.recompute import checkpoint
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -55,61 +58,103 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query attention, heads split across TP.
+    """Self-attention with grouped-query attention, heads split across TP; causal unless
+    ``causal=False`` (BERT, T5's encoder).
 
     The fused QKV weight is laid out per query group as [q heads of the group, k, v], so that a
     TP rank's contiguous shard holds whole groups: the same logical tensor for every TP degree.
+    Cross-attention (``cross=True``, T5's decoder) reads queries and keys/values from different
+    tensors, so it has two projections: ``q`` and ``kv`` (per query group [k, v]).
     """
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True, cross: bool = False):
         super().__init__()
         tp = ps.tp_size
-        self.cfg = cfg
+        self.cfg, self.causal = cfg, causal
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.local_groups = cfg.num_query_groups // tp
         d = cfg.kv_channels
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
         common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, **common)
+        if cross:
+            self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d, ps.tp_group, **common)
+            self.kv = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.num_query_groups * d, ps.tp_group, **common)
+        else:
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, **common)
         self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, ps.tp_group, **common)
         self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
+                context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``kv_cache`` (generation only, ``models.kv_cache.KVCache``): x holds the tokens after
+        the cached ones; their keys and values join the cache and attention covers all of them.
+        ``mask``: see ``core_attention``. ``context``: the tensor cross-attention attends to."""
+        if context is not None:
+            return self.proj(self._core_attention(*self._cross_qkv(x, context), mask).transpose(1, 2).flatten(2))
         qkv = self.qkv(x)  # [b, s, local_groups * (heads_per_group + 2) * d]
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.cfg.kv_channels)
         q = qkv[:, :, :, : self.heads_per_group].flatten(2, 3).transpose(1, 2)  # [b, heads, s, d]
         k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        offset = 0 if kv_cache is None else kv_cache.length(self)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        out = self.core_attention(q, k, v)
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if kv_cache is None:
+            out = self._core_attention(q, k, v, mask)
+        else:
+            out = kv_cache.attend(self, q, k, v)
         return self.proj(out.transpose(1, 2).flatten(2))
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d]."""
+    def _core_attention(self, q, k, v, mask):
+        """Selective recompute (Korthikanti et al. 2022) keeps only q, k, v of the core attention:
+        its [b, heads, s, s] softmax and dropout tensors are rebuilt in backward."""
+        if self.training and self.cfg.recompute_granularity == "selective":
+            return checkpoint(self.core_attention, q, k, v, mask)
+        return self.core_attention(q, k, v, mask)
+
+    def _cross_qkv(self, x: torch.Tensor, context: torch.Tensor):
+        b, s, _ = x.shape
+        d = self.cfg.kv_channels
+        q = self.q(x).view(b, s, -1, d).transpose(1, 2)  # [b, heads, s, d]
+        kv = self.kv(context).view(b, context.shape[1], self.local_groups, 2, d)
+        return q, kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d].
+        ``mask`` (broadcast to [b, heads, s_q, s_k]): boolean (True = attend) or additive float,
+        which also carries a position bias (T5); it replaces the causal mask, so a causal
+        attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d)."""
         p = self.cfg.attention_dropout if self.training else 0.0
         with tp_rng(sharded=True) if p > 0 else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  enable_gqa=self.heads_per_group > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None,
+                                                  scale=self.cfg.softmax_scale, enable_gqa=self.heads_per_group > 1)
+
+
+# Gated activations (act(gate(x)) * fc1(x)): SwiGLU (Llama), GEGLU with tanh gelu (T5 v1.1).
+GATED = {"swiglu": F.silu, "geglu": partial(F.gelu, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """Feed-forward: h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU keeps its
-    gate and up projections as two column-parallel layers, so each rank holds matching halves."""
+    """Feed-forward: h -> ffn (column-parallel) -> activation -> h (row-parallel). Gated
+    activations keep their gate and up projections as two column-parallel layers, so each rank
+    holds matching halves."""
 
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
         super().__init__()
         common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
         self.activation, self.tp_group, self.sequence_parallel = cfg.activation, ps.tp_group, cfg.sequence_parallel
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common)
-        self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation == "swiglu" else None
+        self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation in GATED else None
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps.tp_group, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":  # one entry into the TP region for both projections
+        if self.gate is not None:  # one entry into the TP region for both projections
             x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
-            h = F.silu(self.gate(x, input_entered=True)) * self.fc1(x, input_entered=True)
+            h = GATED[self.activation](self.gate(x, input_entered=True)) * self.fc1(x, input_entered=True)
+        elif self.activation == "relu":
+            h = F.relu(self.fc1(x))
         else:
             h = F.gelu(self.fc1(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.fc2(h)
@@ -118,14 +163,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True):
         super().__init__()
         self.norm1 = build_norm(cfg, device)
-        self.attention = Attention(cfg, ps, device)
+        self.attention = Attention(cfg, ps, device, causal=causal)
         self.norm2 = build_norm(cfg, device)
         self.mlp = MLP(cfg, ps, device)
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + dropout(self.attention(self.norm1(x)), self.dropout, self.training, self.sequence_parallel)
+    def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + dropout(self.attention(self.norm1(x), kv_cache, mask), self.dropout, self.training, self.sequence_parallel)
         return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training, self.sequence_parallel)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    num_layers: int
+    num_layers: int  # T5: encoder layers
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
@@ -31,6 +32,22 @@ class TransformerConfig:
     init_std: float = 0.02
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
+    arch: str = "gpt"  # gpt | bert | t5: the family (models.archs) that reads this config
+    # None -> 1/sqrt(kv_channels). T5 uses 1: its initialisation folds the scale into the weights.
+    softmax_scale: Optional[float] = None
+    # BERT: token-type (segment) vocabulary and the sentence-order head.
+    num_tokentypes: int = 2
+    binary_head: bool = False
+    # T5: decoder depth and length, relative position buckets.
+    num_decoder_layers: int = 0
+    decoder_seq_length: int = 0
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    # Activation recomputation (parallel.recompute): None | full | selective; for full, uniform
+    # chunks of recompute_num_layers layers, or block: the first recompute_num_layers of a stage.
+    recompute_granularity: Optional[str] = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
 
     @property
     def output_init_std(self) -> float:

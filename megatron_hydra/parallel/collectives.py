@@ -53,6 +53,22 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group, kind: str = "reduce_scatter"):
+    """Sum ``tensor`` over the group into ``out`` (this rank's 1/size of it; may alias its slice of
+    ``tensor``), asynchronously: returns the work handle to wait on."""
+    if _counter is not None:
+        _counter.add(kind, tensor)
+    return _reduce_scatter_into(out, tensor, group=group, async_op=True)
+
+
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group, kind: str = "all_gather"):
+    """Concatenate every rank's ``tensor`` into ``out`` (``tensor`` may alias this rank's slice of
+    it), asynchronously: returns the work handle to wait on."""
+    if _counter is not None:
+        _counter.add(kind, out)
+    return _all_gather_into(out, tensor, group=group, async_op=True)
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce (sum by default) over the group, in place."""
     if group_size(group) == 1:

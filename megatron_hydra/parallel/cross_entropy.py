@@ -29,7 +29,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         C.all_reduce(predicted, group)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()  # in place: [tokens, vocab / tp] is the largest activation of the model
         sum_exp = exp.sum(dim=-1)
         C.all_reduce(sum_exp, group)
         loss = sum_exp.log() - predicted
@@ -40,11 +40,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        # The saved softmax becomes the gradient in place (backward runs once; Megatron does the same).
+        grad, local_target, outside = ctx.saved_tensors
         onehot = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
-        return grad * grad_loss.unsqueeze(-1), None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:

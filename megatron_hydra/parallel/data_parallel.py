@@ -1,56 +1,109 @@
 """Data-parallel gradient reduction: contiguous grad buffers, bucketed, overlapped with backward.
 
-Each parameter's ``.grad`` is a view into one flat buffer, grouped into buckets of about
-``bucket_size`` elements in reverse registration order (roughly the order backward produces
-them). During the backward of the last micro-batch, a post-accumulate-grad hook counts the
-parameters of each bucket whose grads are final; when a bucket is complete its all-reduce over
-the data-parallel group is started asynchronously while backward continues on earlier layers
-(as Megatron's and PyTorch DDP's buckets do). ``finish`` launches what is left, waits, and turns
-the sums into means.
+Each parameter's gradient lives in one flat buffer (``p.main_grad``, a view), grouped into
+buckets of about ``bucket_size`` elements in reverse registration order (roughly the order
+backward produces them). During the backward of the last micro-batch, a post-accumulate-grad hook
+counts the parameters of each bucket whose grads are final; when a bucket is complete its
+reduction over the data-parallel group is started asynchronously while backward continues on
+earlier layers (as Megatron's and PyTorch DDP's buckets do). ``finish`` launches what is left,
+waits, and turns the sums into means.
+
+The buffer's dtype is the parameters' for fp32/fp64 models: ``p.grad`` *is* the view, autograd
+accumulates straight into it. For bf16/fp16 models the buffer is fp32 (grads are accumulated and
+reduced in fp32, as Megatron does): autograd leaves each micro-batch's 16-bit grad in ``p.grad``,
+the hook adds it into the fp32 view and frees it.
+
+With ``distributed=True`` (the distributed optimizer) every bucket is padded to a multiple of the
+data-parallel size and reduce-scattered instead of all-reduced: rank r ends up with the mean of
+the r-th 1/dp of each bucket (``Bucket.shard``), which is all its optimizer shard needs.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_hydra.parallel import collectives as C
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], view: torch.Tensor):
-        self.params, self.view = params, view
+
+def grad_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
+    """Gradients are kept in fp32 for 16-bit models, else in the parameters' dtype."""
+    return torch.float32 if param_dtype in HALF_DTYPES else param_dtype
+
+
+def main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient of ``p`` as the buffer holds it. A 16-bit grad that autograd left in
+    ``p.grad`` without the hook seeing it (a pipeline schedule that assigns weight grads by hand)
+    is folded in first, so callers always see the whole gradient."""
+    buffered = getattr(p, "main_grad", None)
+    if buffered is None:
+        return p.grad
+    if p.grad is not None and p.grad.data_ptr() != buffered.data_ptr():
+        buffered.add_(p.grad)
+        p.grad = None
+    return buffered
+
+
+class Bucket:
+    def __init__(self, params: List[torch.nn.Parameter], start: int, end: int, buffer: torch.Tensor, dp: int, dp_rank: int):
+        self.params, self.start, self.end = params, start, end
+        self.view = buffer[start:end]
+        size = (end - start) // dp if dp else 0
+        self.shard_start = start + dp_rank * size  # the distributed optimizer's slice (global offsets)
+        self.shard_end = self.shard_start + size
+        self.shard = buffer[self.shard_start:self.shard_end]
         self.ready = 0
         self.handle = None
 
 
+def bucket_layout(numels: List[int], bucket_size: int, pad_to: int = 1) -> List[tuple]:
+    """``(first, last_exclusive, start, end)`` per bucket over parameters in buffer order: the
+    parameter index range and the element range, each bucket padded to a multiple of ``pad_to``.
+    Pure, so that the memory plan computes exactly the buffer a run allocates."""
+    layout, first, start, offset = [], 0, 0, 0
+    for i, n in enumerate(numels):
+        offset += n
+        if offset - start >= bucket_size or i == len(numels) - 1:
+            end = start + -(-(offset - start) // pad_to) * pad_to
+            layout.append((first, i + 1, start, end))
+            first, start, offset = i + 1, end, end
+    return layout
+
+
 class GradBuffer:
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_size: int):
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_size: int,
+                 distributed: bool = False):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp = dp_group, C.group_size(dp_group)
+        self.distributed = distributed
         ordered = list(reversed(self.params))
         first = ordered[0]
-        total = sum(p.numel() for p in ordered)
-        self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        self.buckets: List[_Bucket] = []
+        self.dtype = grad_dtype_for(first.dtype)
+        self.separate = self.dtype != first.dtype  # 16-bit params: grads move into the fp32 buffer
+        layout = bucket_layout([p.numel() for p in ordered], bucket_size, self.dp if distributed else 1)
+        self.buffer = torch.zeros(layout[-1][3], dtype=self.dtype, device=first.device)
+        rank = C.group_rank(dp_group)
+        self.offsets: Dict[torch.nn.Parameter, int] = {}
+        self.buckets: List[Bucket] = []
         self._bucket_of = {}
-        self._views = {}
-        start, offset, members = 0, 0, []
-        for p in ordered:
-            self._views[p] = self.buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            members.append(p)
-            if offset - start >= bucket_size or p is ordered[-1]:
-                bucket = _Bucket(members, self.buffer[start:offset])
-                self.buckets.append(bucket)
-                for q in members:
-                    self._bucket_of[q] = bucket
-                start, members = offset, []
+        for lo, hi, start, end in layout:
+            members = ordered[lo:hi]
+            bucket = Bucket(members, start, end, self.buffer, self.dp, rank)
+            self.buckets.append(bucket)
+            offset = start
+            for p in members:
+                self.offsets[p] = offset
+                p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
+                self._bucket_of[p] = bucket
+                offset += p.numel()
         self.zero()
         self.sync_enabled = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in ordered] if self.dp > 1 else []
+        needs_hooks = self.dp > 1 or self.separate
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in ordered] if needs_hooks else []
 
     def close(self) -> None:
         """Detach from the parameters: no hook of this buffer fires after this."""
@@ -59,30 +112,41 @@ class GradBuffer:
         self._hooks = []
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        if not self.sync_enabled:
+        if self.separate:
+            main_grad(p)
+        if not self.sync_enabled or self.dp == 1:
             return
         bucket = self._bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        if C._counter is not None:
-            C._counter.add("dp_all_reduce", bucket.view)
-        bucket.handle = dist.all_reduce(bucket.view, group=self.group, async_op=True)
+    def _launch(self, bucket: Bucket) -> None:
+        if self.distributed:
+            bucket.handle = C.reduce_scatter_into(bucket.shard, bucket.view, self.group, "dp_reduce_scatter")
+        else:
+            if C._counter is not None:
+                C._counter.add("dp_all_reduce", bucket.view)
+            bucket.handle = dist.all_reduce(bucket.view, group=self.group, async_op=True)
 
     def zero(self) -> None:
         """Zero all grads and (re)attach them to the buffer: anything that set ``.grad = None``
         in between (Lightning zeroes grads with set_to_none before fitting) is undone here."""
         self.buffer.zero_()
-        for p, view in self._views.items():
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
+        for p in self.offsets:
+            if self.separate:
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != p.main_grad.data_ptr():
+                p.grad = p.main_grad
         for bucket in self.buckets:
             bucket.ready, bucket.handle = 0, None
 
     def finish(self) -> None:
-        """Complete the reduction; afterwards every DP rank holds the mean gradient."""
+        """Complete the reduction; afterwards every DP rank holds the mean gradient (of its shards,
+        when distributed)."""
+        if self.separate:
+            for p in self.offsets:
+                main_grad(p)
         if self.dp == 1:
             return
         for bucket in self.buckets:
@@ -91,15 +155,18 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
-        self.buffer.div_(self.dp)
-        for bucket in self.buckets:
+            (bucket.shard if self.distributed else bucket.view).div_(self.dp)
             bucket.ready = 0
 
 
-def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group) -> None:
+def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group,
+                                      grads: Optional[List[torch.Tensor]] = None) -> None:
     """Norm weights and row-parallel biases see only this rank's sequence slice under sequence
-    parallelism; their full gradient is the sum over the TP group."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    parallelism; their full gradient is the sum over the TP group. ``grads`` (one per param)
+    overrides where each gradient is read and written, e.g. the distributed optimizer's shards."""
+    params = list(params)
+    grads = [main_grad(p) for p in params] if grads is None else grads
+    grads = [g for p, g in zip(params, grads) if getattr(p, "sequence_parallel", False) and g is not None]
     if not grads or C.group_size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -9,35 +9,47 @@ grads, so they need no further reduction.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, List
 
 import torch
 
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.data_parallel import main_grad
 from megatron_hydra.parallel.state import ParallelState
 
 
-def _counted(p: torch.nn.Parameter, ps: ParallelState) -> bool:
+def counted(p: torch.nn.Parameter, ps: ParallelState) -> bool:
+    """Whether this rank's copy of ``p`` adds to the global norm (each logical element once)."""
     if getattr(p, "shared_embedding_copy", False):
         return False
     return getattr(p, "tp_partition_dim", None) is not None or ps.tp_rank == 0
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, ps: ParallelState) -> torch.Tensor:
-    """Return the global grad norm; scale grads so it is at most ``max_norm`` (0: no clipping)."""
-    params = [p for p in params if p.grad is not None]
-    acc_dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-    device = params[0].grad.device
-    sq = torch.zeros((), dtype=acc_dtype, device=device)
-    for p in params:
-        if _counted(p, ps):
-            sq += p.grad.to(acc_dtype).pow(2).sum()
+def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, ps: ParallelState,
+               sharded_over_dp: bool = False) -> torch.Tensor:
+    """Return the global norm of ``grads`` (those with ``counts`` true contribute); scale all of
+    them so it is at most ``max_norm`` (0: no clipping). ``sharded_over_dp``: each data-parallel
+    rank holds a disjoint part of the grads (the distributed optimizer), so partial sums are added
+    over the data-parallel group too."""
+    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    sq = torch.zeros((), dtype=acc_dtype, device=grads[0].device)
+    for g, c in zip(grads, counts):
+        if c:
+            sq += g.to(acc_dtype).pow(2).sum()
     C.all_reduce(sq, ps.group("model"))
+    if sharded_over_dp:
+        C.all_reduce(sq, ps.dp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
     return norm
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, ps: ParallelState) -> torch.Tensor:
+    """``clip_grads`` over the (buffered) gradients of ``params``."""
+    params = [p for p in params if main_grad(p) is not None]
+    return clip_grads([main_grad(p) for p in params], [counted(p, ps) for p in params], max_norm, ps)

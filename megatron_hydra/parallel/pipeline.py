@@ -27,9 +27,11 @@ its forward actions.
 
 Loss. The last stage's module returns the per-token loss (labels reach every stage as a keyword
 argument; only the last uses them) and the schedule's ``loss_fn`` reduces it to the micro-batch's
-masked mean (``loss_mask`` is the schedule's target). With ``scale_grads`` the schedule divides
-the accumulated grads by the number of micro-batches, i.e. the loss is averaged over micro-batches
-as on the pp=1 path. The step's loss is summed over the pp group from the last stage (others add
+masked mean (``loss_mask`` is the schedule's target). After the schedule the accumulated grads
+are divided by the number of micro-batches, i.e. the loss is averaged over micro-batches as on the
+pp=1 path. This is done here on the buffered grads (``data_parallel.main_grad``) rather than by the
+schedule's ``scale_grads``, which only sees ``.grad``: a 16-bit model accumulates in an fp32
+buffer instead. The step's loss is summed over the pp group from the last stage (others add
 zero), so every rank, rank 0 included, holds it.
 
 Tied embeddings. The last stage holds its own copy of the word embedding (parameters tagged
@@ -55,6 +57,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
 
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.data_parallel import main_grad
 from megatron_hydra.parallel.state import ParallelState
 
 _FORWARD_ACTIONS = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
@@ -132,8 +135,7 @@ class Pipeline:
             self._instrument(stage)
         cls = SCHEDULES[self.schedule_name]
         first = stages[0] if cls is Schedule1F1B else stages
-        # Evaluation must leave .grad alone (no division by the micro-batch count).
-        schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=train)
+        schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=False)
         if not train and isinstance(schedule, _PipelineScheduleRuntime):
             # The runtime walks the training action list even in eval(); a V-schedule's backward
             # actions then fail ("can't steal_bwd_input"). Keep only the forward actions: they are
@@ -144,47 +146,64 @@ class Pipeline:
         return schedule
 
     def _instrument(self, stage: PipelineStage) -> None:
+        """Record events (when asked) and fold weight grads into the buffer after W passes."""
         for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
             inner = getattr(stage, name)
 
             def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
-                if self.events is None:
-                    return _inner(mb, *args, **kwargs)
                 start = time.perf_counter()
                 out = _inner(mb, *args, **kwargs)
-                kind = _kind if kwargs.get("full_backward", True) else "I"  # I: input grads only (zero bubble)
-                self.events.append((stage.stage_index, kind, mb, start, time.perf_counter()))
+                if _kind == "W":
+                    # torch adds weight grads to .grad by hand (no accumulate hook fires): fold a
+                    # 16-bit model's grad into its fp32 buffer now, so micro-batches sum in fp32.
+                    for p in stage.submod.parameters():
+                        main_grad(p)
+                if self.events is not None:
+                    kind = _kind if kwargs.get("full_backward", True) else "I"  # I: input grads only (zero bubble)
+                    self.events.append((stage.stage_index, kind, mb, start, time.perf_counter()))
                 return out
 
             setattr(stage, name, timed)
 
-    def _run(self, schedule, tokens, labels, loss_mask, train: bool) -> torch.Tensor:
+    def _run(self, schedule, tokens, labels, loss_mask, train: bool, inputs: dict) -> torch.Tensor:
         losses: List[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
-        run(tokens, target=loss_mask, losses=losses, return_outputs=False, labels=labels)
-        loss = torch.zeros((), dtype=next(self.chunks[0].parameters()).dtype, device=self.device)
+        run(tokens, target=loss_mask, losses=losses, return_outputs=False, labels=labels, **inputs)
+        # Summed in fp32 (fp64 for fp64 models): 16-bit would round the loss, or overflow once fp16's
+        # loss scale is in it.
+        dtype = torch.float64 if next(self.chunks[0].parameters()).dtype == torch.float64 else torch.float32
+        loss = torch.zeros((), dtype=dtype, device=self.device)
         if self.holds_last:
             for value in losses:  # summed in micro-batch order, as the pp=1 loop does
                 loss += value.detach()
             loss /= self.num_microbatches
         return C.all_reduce(loss, self.ps.pp_group)
 
-    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   **inputs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all micro-batches of this rank's batch; grads accumulate into
-        ``.grad`` (averaged over micro-batches, tied copies summed). Returns the mean loss."""
-        loss = self._run(self._train, tokens, labels, loss_mask, train=True)
+        ``.grad`` (averaged over micro-batches, tied copies summed). Returns the mean loss.
+        ``inputs`` (e.g. BERT's padding mask) reach every stage as keyword arguments, like labels."""
+        loss = self._run(self._train, tokens, labels, loss_mask, True, inputs)
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for p in chunk.parameters():
+                    grad = main_grad(p)
+                    if grad is not None:
+                        grad.div_(self.num_microbatches)
         self.reduce_tied_grads()
         return loss
 
-    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                  **inputs: torch.Tensor) -> torch.Tensor:
         if self._eval is None:
             self._eval = self._build(train=False)
-        return self._run(self._eval, tokens, labels, loss_mask, train=False)
+        return self._run(self._eval, tokens, labels, loss_mask, False, inputs)
 
     @torch.no_grad()
     def reduce_tied_grads(self) -> None:
         """Sum the grads of the tied embedding's copies (first and last stage)."""
-        grads = [p.grad for p in self.tied if p.grad is not None]
+        grads = [g for g in map(main_grad, self.tied) if g is not None]
         if len(grads) == 2:  # both copies on this rank (ZB-V): the sum is the same tensor on both
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])

@@ -17,11 +17,26 @@ def model_flops_per_token(cfg: TransformerConfig) -> float:
     h, s, d = cfg.hidden_size, cfg.seq_length, cfg.kv_channels
     qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     proj = 2 * cfg.num_attention_heads * d * h
-    mlp = 2 * h * cfg.ffn_hidden_size * (3 if cfg.activation == "swiglu" else 2)
+    mlp = 2 * h * cfg.ffn_hidden_size * (3 if cfg.activation in ("swiglu", "geglu") else 2)
     attention = 2 * 2 * s * cfg.num_attention_heads * d
     head = 2 * h * cfg.padded_vocab_size
     return 3.0 * (cfg.num_layers * (qkv + proj + mlp + attention) + head)
 
 
+def t5_flops_per_sample(cfg: TransformerConfig) -> float:
+    """T5 by the same accounting: encoder layers over ``seq_length`` tokens; decoder layers over
+    ``decoder_seq_length`` tokens with cross-attention (its keys and values projected once per
+    encoder token); the head over the decoder tokens."""
+    h, d, heads, s, t = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.seq_length, cfg.decoder_seq_length
+    q, kv, proj = 2 * h * heads * d, 2 * h * 2 * cfg.num_query_groups * d, 2 * heads * d * h
+    mlp = 2 * h * cfg.ffn_hidden_size * (3 if cfg.activation in ("swiglu", "geglu") else 2)
+    encoder = cfg.num_layers * s * (q + kv + proj + mlp + 4 * s * heads * d)
+    decoder = cfg.num_decoder_layers * (t * (2 * q + kv + 2 * proj + mlp + 4 * (t + s) * heads * d) + s * kv)
+    return 3.0 * (encoder + decoder + 2 * h * cfg.padded_vocab_size * t)
+
+
 def model_flops_per_step(cfg: TransformerConfig, global_batch_size: int) -> float:
+    """BERT counts as GPT (its masked-LM head's extra dense layer is under 1% at published shapes)."""
+    if cfg.arch == "t5":
+        return t5_flops_per_sample(cfg) * global_batch_size
     return model_flops_per_token(cfg) * global_batch_size * cfg.seq_length

@@ -21,19 +21,15 @@ import pytorch_lightning as pl
 import torch
 
 from megatron_hydra.config import Derived, RunConfig
-from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.models.archs import ARCHS, masked_mean  # noqa: F401  (masked_mean: re-exported)
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.metrics import model_flops_per_step
+from megatron_hydra.training.precision import DynamicLossScaler
 from megatron_hydra.training.schedules import lr_at
-
-
-def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean loss over a micro-batch's unmasked tokens."""
-    mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss * mask).sum() / mask.sum()
 
 
 def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
@@ -43,20 +39,11 @@ def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
     stages = stage_indices(ps.pp_rank, ps.pp_size, derived.vpp, cfg.parallel.pipeline_schedule)
     chunks = []
     for stage in stages:
-        chunk = GPTModel(tcfg, ps, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
+        chunk = ARCHS[tcfg.arch].build(tcfg, ps, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
                          post_process=stage == len(per_stage) - 1)
         init_weights(chunk, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
         chunks.append(chunk)
     return chunks, stages
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float):
-    """Weight decay on matrices and embeddings only; never on biases and norm weights."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class GPTModule(pl.LightningModule):
@@ -70,24 +57,42 @@ class GPTModule(pl.LightningModule):
             chunks, self._stages = build_stage_chunks(cfg, derived, ps)
             self.model = torch.nn.ModuleList(chunks)
         else:
-            self.model = GPTModel(tcfg, ps)
+            self.model = ARCHS[tcfg.arch].build(tcfg, ps)
             init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
         self._last_step_end = None
+        # fp16 only: the loss is multiplied by the scale before backward (parallel.optimizer
+        # divides it out of the grads and skips overflowing steps).
+        self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if tcfg.params_dtype == torch.float16 else None
+        # Losses are summed in fp32 even when the model runs in 16 bits.
+        self.loss_dtype = torch.float64 if tcfg.params_dtype == torch.float64 else torch.float32
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     # Loss ------------------------------------------------------------------------------------
     def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean loss over the micro-batch's unmasked tokens."""
-        return masked_mean(self.model(batch["tokens"], batch["labels"]), batch["loss_mask"])
+        """Mean loss over the micro-batch's unmasked tokens (``models.archs``: per model family)."""
+        arch = ARCHS[self.derived.transformer.arch]
+        return arch.loss(self.model(batch["tokens"], **{k: batch[k] for k in arch.inputs}), batch["loss_mask"])
+
+    def _stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The batch fields besides tokens, labels and loss mask that every pipeline stage reads."""
+        return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels"}
 
     @property
     def pipeline(self) -> Pipeline:
         """Built on first use, once Lightning has moved the chunks to their device."""
         if self._pipeline is None:
             self._pipeline = Pipeline(list(self.model), self._stages, self.ps, self.cfg.parallel.pipeline_schedule,
-                                      self.derived.num_microbatches, masked_mean, self.device)
+                                      self.derived.num_microbatches, self._scaled_masked_mean, self.device)
         return self._pipeline
+
+    def _scaled_masked_mean(self, per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss function: the micro-batch loss times the loss scale (1 unless fp16)."""
+        return ARCHS[self.derived.transformer.arch].loss(per_token_loss, loss_mask) * self.loss_scale
 
     def _microbatches(self, batch: Dict[str, torch.Tensor]):
         n = self.derived.num_microbatches
@@ -111,7 +116,9 @@ class GPTModule(pl.LightningModule):
             # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
             # ends: the data-parallel reduce then runs whole in the optimizer step (GradBuffer.finish).
             with strategy.block_backward_sync():
-                loss = self.pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"])
+                scale = self.loss_scale
+                loss = self.pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
+                                                **self._stage_inputs(batch)) / scale
         else:
             loss = self._accumulate(batch, strategy)
         step = self.trainer.global_step
@@ -120,16 +127,20 @@ class GPTModule(pl.LightningModule):
             group["lr"] = lr
         opt.step()
         self._log_step(self._dp_mean(loss), lr, strategy.last_grad_norm, step)
+        if self.loss_scaler is not None:
+            self.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+            self.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False,
+                     rank_zero_only=True, batch_size=1)
 
     def _accumulate(self, batch: Dict[str, torch.Tensor], strategy) -> torch.Tensor:
         """pp = 1: forward and backward micro-batch by micro-batch; returns the mean loss."""
         micro = self._microbatches(batch)
-        total = torch.zeros((), dtype=self.derived.transformer.params_dtype, device=self.device)
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             with strategy.block_backward_sync() if not last else nullcontext():
                 loss = self.microbatch_loss(mb)
-                self.manual_backward(loss / len(micro))
+                self.manual_backward(loss * self.loss_scale / len(micro))
             total += loss.detach()
         return total / len(micro)
 
@@ -158,7 +169,8 @@ class GPTModule(pl.LightningModule):
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.derived.pp > 1:
-            loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"])
+            loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
+                                               **self._stage_inputs(batch)) / self.loss_scale
         else:
             loss = torch.stack([self.microbatch_loss(mb) for mb in self._microbatches(batch)]).mean()
         self._val_losses.append(self._dp_mean(loss))
@@ -171,6 +183,12 @@ class GPTModule(pl.LightningModule):
             self.log("val_ppl", loss.exp(), rank_zero_only=True, batch_size=1)
 
     def configure_optimizers(self):
+        return self.build_optimizer(self.trainer.strategy.grad_buffer)
+
+    def build_optimizer(self, grad_buffer) -> MegatronOptimizer:
+        """AdamW over the model through its gradient buffer (the strategy builds it before this
+        hook): fp32 main weights for 16-bit models, sharded over DP with the distributed optimizer."""
         o = self.cfg.optim
-        return torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
-                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        return MegatronOptimizer(self.model, grad_buffer, self.ps, lr=o.lr,
+                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
+                                 clip_grad=o.clip_grad, scaler=self.loss_scaler)

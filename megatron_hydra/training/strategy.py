@@ -3,8 +3,8 @@
 The process group already exists when Lightning starts (our launcher, torchrun or SLURM created
 it), so the strategy launches nothing and wraps nothing: it exposes the ranks to Lightning,
 attaches the data-parallel gradient buffer to the model's parameters, and completes the gradient
-reduction and clipping inside ``optimizer_step`` (so ``optimizer.step()`` in the training step
-always sees reduced, clipped gradients). How layers are sharded is not its concern: it only reads
+reduction inside ``optimizer_step`` (so ``optimizer.step()`` in the training step always sees
+reduced gradients; ``parallel.optimizer`` clips them and steps). How layers are sharded is not its concern: it only reads
 the tags the parallel layers put on parameters.
 """
 
@@ -18,8 +18,7 @@ import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from pytorch_lightning.strategies import ParallelStrategy
 
-from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads
-from megatron_hydra.parallel.grad_clip import clip_grad_norm
+from megatron_hydra.parallel.data_parallel import GradBuffer
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -65,13 +64,13 @@ class _ProcessGroupEnvironment(ClusterEnvironment):
 
 
 class MegatronStrategy(ParallelStrategy):
-    def __init__(self, parallel_state: ParallelState, device: torch.device, *, clip_grad: float,
-                 grad_bucket_size: int, local_rank: int = 0, node_rank: int = 0):
+    def __init__(self, parallel_state: ParallelState, device: torch.device, *, grad_bucket_size: int,
+                 distributed_optimizer: bool = False, local_rank: int = 0, node_rank: int = 0):
         super().__init__(parallel_devices=[device],
                          cluster_environment=_ProcessGroupEnvironment(local_rank, node_rank))
         self.parallel_state = parallel_state
-        self.clip_grad = clip_grad
         self.grad_bucket_size = grad_bucket_size
+        self.distributed_optimizer = distributed_optimizer
         self.grad_buffer: Optional[GradBuffer] = None
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._launcher = None
@@ -94,7 +93,8 @@ class MegatronStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_group, self.grad_bucket_size)
+        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_group, self.grad_bucket_size,
+                                      distributed=self.distributed_optimizer)
         return model
 
     # Gradients ---------------------------------------------------------------------------------
@@ -112,11 +112,11 @@ class MegatronStrategy(ParallelStrategy):
             self.grad_buffer.sync_enabled = True
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        ps = self.parallel_state
         self.grad_buffer.finish()
-        allreduce_sequence_parallel_grads(self.grad_buffer.params, ps.tp_group)
-        self.last_grad_norm = clip_grad_norm(self.grad_buffer.params, self.clip_grad, ps)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        self.last_grad_norm = getattr(inner, "last_grad_norm", None)
+        return out
 
     # Collectives Lightning uses (metric sync, barriers) ------------------------------------------
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
@@ -143,6 +143,10 @@ class MegatronStrategy(ParallelStrategy):
         return objects[0]
 
     def teardown(self) -> None:
+        for optimizer in self.optimizers:
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if hasattr(inner, "close"):
+                inner.close()
         if self.grad_buffer is not None:
             self.grad_buffer.close()
         self.grad_buffer = None

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from megatron_hydra.checkpoint.callback import CheckpointCallback, start_point
 from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.data.arch_datasets import dataset_factory
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.parallel.random import seed_model_parallel
@@ -71,7 +72,8 @@ def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consu
     tcfg = derived.transformer
     sizes = derived.split_samples
     train_ds, valid_ds, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
-                                           num_samples=sizes, vocab_size=tcfg.vocab_size)
+                                           num_samples=sizes, vocab_size=tcfg.vocab_size,
+                                           make_dataset=dataset_factory(cfg.data, tcfg, cfg.data.seed))
 
     def loader(ds, total, consumed=0):
         sampler = GlobalBatchSampler(total, cfg.data.global_batch_size, ps.dp_rank, ps.dp_size, consumed)
@@ -142,10 +144,23 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     pl.seed_everything(seed, workers=True, verbose=False)
     seed_model_parallel(seed, ps.tp_rank)
     module = GPTModule(cfg, derived, ps)
-    strategy = MegatronStrategy(ps, device, clip_grad=cfg.optim.clip_grad, grad_bucket_size=cfg.parallel.grad_bucket_size,
-                                local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
+    strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
+                                distributed_optimizer=cfg.optim.distributed_optimizer, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
     start = start_point(cfg, derived)
     train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
     checkpoints = CheckpointCallback(cfg, derived, ps, start)
     trainer = build_trainer(cfg, derived, strategy, rank, checkpoints)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)
+    if (rank == 0 and cfg.trainer.generate_sample_tokens and cfg.data.name != "synthetic" and cfg.model.arch == "gpt"
+            and not checkpoints.stopped_by_signal):
+        _print_sample(cfg, module, ps)
+
+
+def _print_sample(cfg: RunConfig, module, ps: ParallelState) -> None:
+    from megatron_hydra.generate import training_sample
+
+    sample = training_sample(module.model, cfg, ps)
+    if sample is None:
+        log.info("no sample: the model is split over ranks; run python -m megatron_hydra.generate checkpoint=...")
+    else:
+        log.info("sample from the trained model:\n%s", sample)

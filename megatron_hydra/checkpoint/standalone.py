@@ -1,0 +1,108 @@
+"""A whole model in one process, to and from a checkpoint: what conversion and generation need.
+
+Training checkpoints are layout-free (``sharded``), so one process without any process group can
+read all of a checkpoint that tp x pp ranks wrote, or write one that any layout then loads. The
+checkpoint's own resolved config (``meta.json``) says what model it holds; here it is re-derived
+for a single process (tp = pp = dp = 1), keeping every model shape, so the logical tensors match.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_hydra.checkpoint import sharded, store
+from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.schema import ParallelConfig
+from megatron_hydra.errors import CheckpointError
+from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.parallel.state import ParallelState
+
+
+@contextmanager
+def _one_process():
+    """DCP warns that it assumes a single process when there is no process group: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def read_config(path: str) -> RunConfig:
+    """The run config stored in the checkpoint at ``path`` (validated as a complete checkpoint)."""
+    meta = store.validate(path)
+    if "config" not in meta:
+        raise CheckpointError(f"{path}/{store.META} holds no config: it was not written by megatron-hydra")
+    try:
+        loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(meta["config"]))
+    except OmegaConfBaseException as e:
+        raise CheckpointError(f"{path}/{store.META}: its config does not fit this version's schema "
+                              f"({str(e).splitlines()[0]})") from None
+    if OmegaConf.is_missing(loaded, "run_dir"):
+        loaded.run_dir = "unused"
+    return OmegaConf.to_object(loaded)
+
+
+def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[RunConfig, Derived]:
+    """``cfg`` for one process (no TP, PP, DP; the same model shapes), optionally with another
+    ``seq_length`` (rotary tables; learned position tables keep their size)."""
+    cfg = copy.deepcopy(cfg)
+    max_pos = cfg.model.max_position_embeddings or cfg.model.seq_length
+    cfg.parallel = ParallelConfig()
+    cfg.trainer.devices, cfg.trainer.num_nodes = 1, 1
+    cfg.model.max_position_embeddings = max_pos
+    if seq_length is not None:
+        cfg.model.seq_length = seq_length
+    return cfg, derive(cfg)
+
+
+@torch.no_grad()
+def load_model(path: str, seq_length: Optional[int] = None) -> Tuple[RunConfig, Derived, GPTModel]:
+    """The GPT saved at ``path``, whole, in this process, in eval mode."""
+    cfg = read_config(path)
+    if cfg.model.arch != "gpt":
+        raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only GPT checkpoints load whole "
+                              "here (generation, export)")
+    cfg, derived = single_process(cfg, seq_length)
+    ps = ParallelState.single()
+    model = GPTModel(derived.transformer, ps)
+    with _one_process():
+        sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False)
+    return cfg, derived, model.eval()
+
+
+def save_model(path: str, model: GPTModel, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0) -> None:
+    """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``."""
+    from megatron_hydra.checkpoint.callback import logical_shapes
+
+    meta = {
+        "step": step,
+        "consumed_samples": step * cfg.data.global_batch_size,
+        "layout": layout,
+        "dtype": str(derived.transformer.params_dtype),
+        "shapes": logical_shapes(derived),
+        "config": OmegaConf.to_yaml(OmegaConf.structured(cfg)),
+    }
+    with _one_process():
+        sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta)
+
+
+def tokenizer_for(path: str, cfg: RunConfig):
+    """The tokenizer of the checkpoint at ``path``: its own ``tokenizer.json`` (an import), else
+    the one its training data was tokenized with; ``None`` for synthetic data (no text)."""
+    from megatron_hydra.data.tokenizers import HFTokenizer
+
+    own = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(own):
+        return HFTokenizer(own)
+    if cfg.data.name == "synthetic":
+        return None
+    from megatron_hydra.data.builders import build_tokenizer_for
+
+    return build_tokenizer_for(cfg.data)

@@ -1,0 +1,1 @@
+"""Hugging Face <-> megatron-hydra checkpoints (``python -m megatron_hydra.convert``)."""

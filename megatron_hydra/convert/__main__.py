@@ -1,0 +1,62 @@
+"""``python -m megatron_hydra.convert from_hf|to_hf key=value ...``
+
+    from_hf input=HF_DIR output=CKPT_DIR [parallel=single|tp2|tp2_pp2|...] [name=MODEL_NAME]
+    to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16]
+
+Arguments are Hydra-style ``key=value`` overrides, typed by the dataclasses below, so a misspelled
+key is a one-line error. Errors print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+from megatron_hydra.config.cli import parse_args
+from megatron_hydra.errors import MegatronHydraError
+
+
+@dataclass
+class FromHF:
+    input: str = MISSING
+    output: str = MISSING
+    parallel: str = "single"
+    name: Optional[str] = None
+
+
+@dataclass
+class ToHF:
+    input: str = MISSING
+    output: str = MISSING
+    dtype: Optional[str] = None
+
+
+COMMANDS = {"from_hf": FromHF, "to_hf": ToHF}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    from megatron_hydra.convert import api
+
+    try:
+        args = parse_args(COMMANDS[argv[0]], argv[1:])
+        if argv[0] == "from_hf":
+            command = api.from_hf(args.input, args.output, args.parallel, args.name)
+            print(f"imported {args.input} -> {args.output}\nfine-tune it with:\n  {command}")
+        else:
+            result = api.to_hf(args.input, args.output, args.dtype)
+            print(f"exported {args.input} -> {args.output} ({result['architecture']}: {', '.join(result['files'])})")
+    except MegatronHydraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Import a Hugging Face model directory as a checkpoint, and export a checkpoint back.
+
+Import writes a weights-only checkpoint (``checkpoint.standalone``) that any layout loads, since
+checkpoints are layout-free: ``parallel`` only checks that the model splits that way and goes
+into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model config for
+``launch.py --config-dir``) and the model's ``tokenizer.json`` when it has one. Vocabulary tables
+are stored unpadded, as every checkpoint stores them; each run pads them to its own TP multiple.
+
+Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
+``transformers.AutoModelForCausalLM.from_pretrained`` reads, the padding rows dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from megatron_hydra.checkpoint import sharded, standalone
+from megatron_hydra.config import RunConfig, derive
+from megatron_hydra.config.derive import DTYPES
+from megatron_hydra.config.schema import ParallelConfig, TokenizerConfig
+from megatron_hydra.convert import gpt2, hf_files, llama
+from megatron_hydra.convert.mapping import HFWeights, check_against_model
+from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
+from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.models.init import VOCAB_TABLES
+from megatron_hydra.parallel.state import ParallelState
+
+ARCHS = {"gpt2": gpt2, "llama": llama}
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+TOKENIZER = "tokenizer.json"
+
+
+def _parallel(name: str) -> ParallelConfig:
+    path = CONF_DIR / "parallel" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml"))
+        raise ConfigError(f"parallel={name}: no such layout; use one of {', '.join(known)}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path)))
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    """The model must split over the layout ``cfg.parallel`` names (derive's checks, with a
+    batch any pipeline accepts)."""
+    probe = copy.deepcopy(cfg)
+    par = probe.parallel
+    probe.trainer.devices = par.tensor_parallel_size * par.pipeline_parallel_size
+    probe.data.micro_batch_size = 1
+    probe.data.global_batch_size = par.pipeline_parallel_size * (par.virtual_pipeline_size or 1) * 2
+    derive(probe)
+
+
+def _default_name(hf_dir: str) -> str:
+    base = os.path.basename(os.path.normpath(hf_dir)).lower()
+    return re.sub(r"[^a-z0-9_]+", "_", base).strip("_") or "imported"
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def from_hf(input: str, output: str, parallel: str = "single", name: Optional[str] = None) -> str:
+    """Import the Hugging Face model directory ``input`` into a checkpoint at ``output``;
+    returns the command that fine-tunes it."""
+    hf = hf_files.read_config(input)
+    kind = hf.get("model_type")
+    if kind not in ARCHS:
+        raise ConfigError(f"input={input}: model_type={kind!r} ({', '.join(hf.get('architectures') or [])}) is not "
+                          f"supported: supported are {', '.join(ARCHS)}")
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    name = name or _default_name(input)
+    arch = ARCHS[kind]
+    cfg = RunConfig(model=arch.model_config(hf, name), parallel=_parallel(parallel), run_dir="unused")
+    _check_layout(cfg)
+    tokenizer = os.path.join(input, TOKENIZER)
+    if os.path.isfile(tokenizer):
+        cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
+    cfg, derived = standalone.single_process(cfg)
+    cfg.parallel = _parallel(parallel)  # recorded as the intended layout; loading ignores it
+    tcfg = derived.transformer
+    model = GPTModel(tcfg, ParallelState.single(), device="meta")
+    weights = HFWeights(hf_files.read_weights(input), input)
+    ours = arch.import_weights(weights, tcfg)
+    check_against_model(ours, sharded.logical_shapes(model, 1, tcfg.vocab_size), input)
+    leftover = weights.unused(arch.IGNORED)
+    if leftover:
+        raise CheckpointError(f"input={input}: tensor {leftover[0]} has no place in a {kind} model of this config; "
+                              "this variant is not supported")
+    state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
+    model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in state.items()}, strict=True, assign=True)
+    standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
+    _write_extras(output, cfg, kind, input, tokenizer)
+    par = cfg.parallel
+    devices = par.tensor_parallel_size * par.pipeline_parallel_size
+    return (f"python launch.py --config-dir {output} model={name} parallel={parallel} trainer.devices={devices} "
+            f"checkpoint.load={output} checkpoint.load_optimizer=false")
+
+
+def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer: str) -> None:
+    """Beside the tensors: the model config for ``launch.py --config-dir`` and the tokenizer."""
+    # The writing process's random state is no run's: loads start from their own seeds.
+    shutil.rmtree(os.path.join(output, "rng"), ignore_errors=True)
+    os.makedirs(os.path.join(output, "model"), exist_ok=True)
+    with open(os.path.join(output, "model", f"{cfg.model.name}.yaml"), "w") as f:
+        f.write(f"# Imported from the Hugging Face {kind} model {os.path.basename(os.path.normpath(input))} "
+                "by megatron_hydra.convert.\n")
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
+    if os.path.isfile(tokenizer):
+        shutil.copyfile(tokenizer, os.path.join(output, TOKENIZER))
+
+
+def _arch_for(tcfg) -> str:
+    reasons = {kind: mod.compatible(tcfg) for kind, mod in ARCHS.items()}
+    for kind, why in reasons.items():
+        if not why:
+            return kind
+    raise ConfigError(f"this model (position_embedding={tcfg.position_embedding}, normalization={tcfg.normalization}, "
+                      f"activation={tcfg.activation}) has no Hugging Face counterpart: {'; '.join(reasons.values())}")
+
+
+def _tokenizer_source(path: str, cfg: RunConfig):
+    """The checkpoint's Hugging Face tokenizer (tokenizer.json), if it has one."""
+    from megatron_hydra.data.tokenizers import HFTokenizer
+
+    try:
+        tokenizer = standalone.tokenizer_for(path, cfg)
+    except MegatronHydraError:  # e.g. the training corpus is gone: export the weights anyway
+        return None
+    return tokenizer if isinstance(tokenizer, HFTokenizer) else None
+
+
+def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, object]:
+    """Export the checkpoint ``input`` as a Hugging Face model directory ``output``."""
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype={dtype}: use float32, bfloat16 or float16 (default: float32)")
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    cfg = standalone.read_config(input)
+    if cfg.model.arch != "gpt":
+        raise ConfigError(f"input={input} holds a model.arch={cfg.model.arch} model: to_hf exports GPT models "
+                          "(as GPT-2 or Llama)")
+    kind = _arch_for(standalone.single_process(cfg)[1].transformer)
+    _, derived, model = standalone.load_model(input)
+    tcfg = derived.transformer
+    sd = {n: p.detach()[: tcfg.vocab_size] if n in VOCAB_TABLES else p.detach() for n, p in model.named_parameters()}
+    target = DTYPES[dtype or "float32"]
+    tensors = {n: t.to(target).contiguous() for n, t in ARCHS[kind].export_weights(sd, tcfg).items()}
+    config = {**ARCHS[kind].hf_config(tcfg), "torch_dtype": dtype or "float32"}
+    tokenizer = _tokenizer_source(input, cfg)
+    if tokenizer is not None:
+        config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
+    files = hf_files.write(output, config, tensors)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer.path, os.path.join(output, TOKENIZER))
+        files.append(TOKENIZER)
+    return {"architecture": kind, "files": files}

@@ -1,0 +1,74 @@
+"""What the GPT-2 and Llama mappings share: the fused QKV layout, and a checked view of HF tensors.
+
+Our attention keeps one fused QKV weight laid out per query group as [q heads of the group, k, v]
+(``models.transformer.Attention``), so that a TP rank's contiguous slice holds whole groups.
+Hugging Face keeps q, k and v as three blocks (Llama: three projections; GPT-2: one fused c_attn
+whose output is [all q | all k | all v]). ``fuse_qkv`` and ``split_qkv`` move between the two;
+they are exact inverses (pure reshapes and concatenations).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_hydra.errors import CheckpointError
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    """[heads*d, ...], [groups*d, ...], [groups*d, ...] -> our [groups*(heads_per_group+2)*d, ...]."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    rest = q.shape[1:]
+    parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, cfg: TransformerConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_qkv``: our fused tensor -> q [heads*d, ...], k, v [groups*d, ...]."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    hpg = cfg.num_attention_heads // g
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+class HFWeights:
+    """A Hugging Face state dict that hands out each tensor once, after checking its shape, so a
+    config.json that does not match its weights fails in one line naming the tensor."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], source: str):
+        self.tensors, self.source, self.used = tensors, source, set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"input={self.source} has no tensor {name}, which its config.json implies: "
+                                  "the weights and config.json do not belong together")
+        t = self.tensors[name]
+        if list(t.shape) != list(shape):
+            raise CheckpointError(f"input={self.source}: tensor {name} has shape {list(t.shape)} but config.json "
+                                  f"implies {list(shape)}: the weights and config.json do not belong together")
+        self.used.add(name)
+        return t
+
+    def unused(self, ignore: Tuple[str, ...] = ()) -> List[str]:
+        return sorted(n for n in self.tensors if n not in self.used and not n.endswith(ignore))
+
+
+def check_against_model(ours: Dict[str, torch.Tensor], expected: Dict[str, List[int]], source: str) -> None:
+    """The converted tensors must be exactly the model's logical tensors (names and shapes)."""
+    for name, shape in expected.items():
+        if name not in ours:
+            raise CheckpointError(f"input={source}: nothing maps to our tensor {name}; this variant of the "
+                                  "architecture is not supported")
+        if list(ours[name].shape) != list(shape):
+            raise CheckpointError(f"input={source}: {name} converts to shape {list(ours[name].shape)}, the model "
+                                  f"needs {list(shape)}")
+    extra = sorted(set(ours) - set(expected))
+    if extra:
+        raise CheckpointError(f"input={source}: converted tensor {extra[0]} has no place in the model")
+

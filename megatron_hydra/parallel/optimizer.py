@@ -1,0 +1,283 @@
+"""The optimizer step: AdamW over "main" parameters, optionally sharded over data-parallel ranks.
+
+What Adam updates (the *main* parameters) depends on the run, the step around it does not:
+
+- fp32/fp64 model: the model's own parameters; their grads already are the buffer's views.
+- bf16/fp16 model: an fp32 copy of each parameter, whose grad is the fp32 buffer view
+  (``p.main_grad``); after the step the copy is rounded into the model's 16-bit parameter.
+- distributed optimizer (ZeRO-1, as Megatron's): data-parallel rank r owns the r-th 1/dp of every
+  bucket of the flat gradient buffer (``parallel.data_parallel``). Its main parameters are the
+  *pieces* of the model parameters that fall in that range: views into a flat parameter buffer
+  that the model parameters also view (fp32), or fp32 copies of them (16-bit). Adam state exists
+  for those pieces only: 1/dp of the plain optimizer's. The grads arrive reduce-scattered (during
+  backward, bucket by bucket); after the step each bucket's updated shard is all-gathered into the
+  parameter buffer asynchronously, and a forward pre-hook on each module waits for the buckets of
+  its own parameters, so the gather overlaps the next forward.
+
+One step: sequence-parallel grads summed over TP -> (fp16) unscale by the loss scale and agree over
+every rank whether any gradient overflowed, skipping the step everywhere if so -> clip by the
+global norm -> AdamW -> write the main parameters back into the model. Elementwise AdamW on a
+piece is AdamW on the whole tensor, so the sharded step equals the plain one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads
+from megatron_hydra.parallel.grad_clip import clip_grads, counted
+from megatron_hydra.parallel.state import ParallelState
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Piece:
+    """The part ``[lo, hi)`` of the flattened ``param`` that this rank's Adam updates as ``main``."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    main: nn.Parameter
+    offset: int  # where param starts in the flat buffers
+
+
+class MegatronOptimizer(torch.optim.Optimizer):
+    """AdamW with Megatron's mixed-precision and ZeRO-1 bookkeeping (see the module docstring).
+
+    A ``torch.optim.Optimizer`` for Lightning, whose ``param_groups`` and ``state`` are the inner
+    AdamW's; gradients are zeroed by the strategy (in the buffer), not here."""
+
+    def __init__(self, model: nn.Module, grad_buffer: GradBuffer, ps: ParallelState, *, lr: float, betas, eps: float,
+                 weight_decay: float, clip_grad: float, scaler=None):
+        self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
+        self.distributed = grad_buffer.distributed
+        self.separate = grad_buffer.separate  # 16-bit model: fp32 main copies
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self._gathers: Dict[int, object] = {}
+        self._hooks: list = []
+        self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
+        decay = [pc.main for pc in self.pieces if pc.param.ndim >= 2]
+        no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+        self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
+
+    # Construction ----------------------------------------------------------------------------
+    def _whole_pieces(self) -> List[Piece]:
+        pieces = []
+        for p in self.buffer.params:
+            if self.separate:
+                main = nn.Parameter(p.detach().float().clone())
+                main.grad = p.main_grad
+            else:
+                main = p
+            pieces.append(Piece(p, 0, p.numel(), main, self.buffer.offsets[p]))
+        return pieces
+
+    def _sharded_pieces(self, model: nn.Module) -> List[Piece]:
+        buf = self.buffer
+        first = buf.params[0]
+        # The model's parameters become views of one flat buffer laid out like the grads, so a
+        # bucket's all-gather lands directly in them.
+        self.param_buffer = torch.zeros(buf.buffer.numel(), dtype=first.dtype, device=first.device)
+        for p, off in buf.offsets.items():
+            view = self.param_buffer[off:off + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+        shard_total = sum(b.shard_end - b.shard_start for b in buf.buckets)
+        self.main_buffer = (torch.zeros(shard_total, dtype=torch.float32, device=first.device)
+                            if self.separate else None)
+        pieces, main_at = [], 0
+        self._main_shards = []  # (bucket, offset in main_buffer) for the write-back
+        for bucket in buf.buckets:
+            self._main_shards.append((bucket, main_at))
+            for p in bucket.params:
+                off = buf.offsets[p]
+                lo, hi = max(off, bucket.shard_start), min(off + p.numel(), bucket.shard_end)
+                if lo >= hi:
+                    continue
+                if self.separate:
+                    at = main_at + lo - bucket.shard_start
+                    source = self.main_buffer[at:at + hi - lo]
+                    source.copy_(self.param_buffer[lo:hi])
+                else:
+                    source = self.param_buffer[lo:hi]
+                main = nn.Parameter(source)  # shares the storage: Adam updates the buffer in place
+                main.grad = buf.buffer[lo:hi]
+                pieces.append(Piece(p, lo - off, hi - off, main, off))
+            main_at += bucket.shard_end - bucket.shard_start
+        self._wait_for = {}  # module -> buckets it must wait for before its forward
+        bucket_of = {p: i for i, b in enumerate(buf.buckets) for p in b.params}
+        for module in model.modules():
+            own = [bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of]
+            if own:
+                self._wait_for[module] = sorted(set(own))
+                self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+        # The tied embedding is read by the output layer without its module's forward: whoever
+        # owns the whole stage waits for it too.
+        tied = sorted({bucket_of[p] for p in buf.params if getattr(p, "shared_embedding", False)})
+        for chunk in (model if isinstance(model, nn.ModuleList) else [model]):
+            if tied:
+                self._wait_for[chunk] = sorted(set(self._wait_for.get(chunk, [])) | set(tied))
+                if not any(True for _ in chunk.parameters(recurse=False)):
+                    self._hooks.append(chunk.register_forward_pre_hook(self._before_forward))
+        return pieces
+
+    # The step --------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Grads live in the strategy's buffer and are zeroed there."""
+
+    def _found_inf(self, grads: List[torch.Tensor]) -> bool:
+        flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        # Every rank of the model (tp x pp) and every data-parallel replica must agree.
+        C.all_reduce(flag, self.ps.group("model"), op=dist.ReduceOp.MAX)
+        C.all_reduce(flag, self.ps.dp_group, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self.finish_param_gather()
+        params = [pc.param for pc in self.pieces]
+        grads = [pc.main.grad for pc in self.pieces]
+        allreduce_sequence_parallel_grads(params, self.ps.tp_group, grads)
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            for g in grads:
+                g.mul_(inv)
+            found_inf = self._found_inf(grads)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.last_grad_norm = torch.tensor(float("nan"))
+                return None
+        self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
+                                         sharded_over_dp=self.distributed and self.buffer.dp > 1)
+        self.inner.step()
+        self._write_back()
+        return None
+
+    def _write_back(self) -> None:
+        if not self.distributed:
+            if self.separate:
+                for pc in self.pieces:
+                    pc.param.copy_(pc.main)
+            return
+        for bucket, at in self._main_shards:
+            if self.separate:
+                size = bucket.shard_end - bucket.shard_start
+                self.param_buffer[bucket.shard_start:bucket.shard_end].copy_(self.main_buffer[at:at + size])
+        if self.ps.dp_size == 1:
+            return
+        for i, bucket in enumerate(self.buffer.buckets):
+            self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
+                                                 self.param_buffer[bucket.shard_start:bucket.shard_end],
+                                                 self.buffer.group, "dp_all_gather")
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        for i in self._wait_for.get(module, ()):
+            handle = self._gathers.pop(i, None)
+            if handle is not None:
+                handle.wait()
+
+    def close(self) -> None:
+        """End of training: let the last step's gathers land, and detach from the model."""
+        self.finish_param_gather()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def finish_param_gather(self) -> None:
+        """Wait for every pending parameter all-gather (before reading parameters outside a forward)."""
+        for handle in self._gathers.values():
+            handle.wait()
+        self._gathers.clear()
+
+    # Checkpoints -----------------------------------------------------------------------------
+    def _piece_state(self, pc: Piece, step_dtype: torch.dtype) -> dict:
+        state = self.inner.state[pc.main]
+        if not state:  # as AdamW.step would create it, so that loading can fill it in place
+            state["step"] = torch.tensor(0.0, dtype=step_dtype)
+            for key in ADAM_KEYS:
+                state[key] = torch.zeros_like(pc.main, memory_format=torch.preserve_format)
+        return state
+
+    def checkpoint_state(self, step_dtype: torch.dtype = torch.float32) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
+        """Per model parameter, its optimizer state as whole TP-local tensors shaped like the
+        parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` and, for 16-bit models, the fp32 ``main``
+        weights. Not distributed, these are the live tensors; distributed, they are gathered over
+        data-parallel ranks (every rank gets all of them), and filling them only loads after
+        ``load_checkpoint_state``."""
+        self.finish_param_gather()
+        if not self.distributed:
+            views = {}
+            for pc in self.pieces:
+                state = self._piece_state(pc, step_dtype)
+                views[pc.param] = {"step": state["step"], **{k: state[k] for k in ADAM_KEYS}}
+                if self.separate:
+                    views[pc.param]["main"] = pc.main.data
+            return views
+        keys = ADAM_KEYS + (("main",) if self.separate else ())
+        full = {k: torch.zeros(self.buffer.buffer.numel(), dtype=self.pieces[0].main.dtype,
+                               device=self.buffer.buffer.device) for k in keys}
+        device = self.buffer.buffer.device
+        step = torch.tensor(0.0, dtype=step_dtype, device=device)
+        for pc in self.pieces:
+            state = self._piece_state(pc, step_dtype)
+            step = state["step"].to(device, copy=True)
+            for k in keys:
+                full[k][pc.offset + pc.lo:pc.offset + pc.hi] = pc.main.data if k == "main" else state[k]
+        for k in keys:  # each element is owned by exactly one data-parallel rank
+            C.all_reduce(full[k], self.ps.dp_group)
+        C.all_reduce(step, self.ps.dp_group, op=dist.ReduceOp.MAX)
+        step = step.cpu()  # where AdamW keeps it
+        views = {}
+        for p, off in self.buffer.offsets.items():
+            views[p] = {"step": step.clone(), **{k: full[k][off:off + p.numel()].view_as(p) for k in keys}}
+        return views
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, views: Dict[nn.Parameter, Dict[str, torch.Tensor]]) -> None:
+        """Take state filled into ``checkpoint_state``'s tensors (a no-op unless distributed)."""
+        if not self.distributed:
+            return
+        for pc in self.pieces:
+            state = self._piece_state(pc, views[pc.param]["step"].dtype)
+            loaded = views[pc.param]
+            state["step"].copy_(loaded["step"])
+            for k in ADAM_KEYS:
+                state[k].copy_(loaded[k].reshape(-1)[pc.lo:pc.hi])
+            if self.separate:
+                pc.main.data.copy_(loaded["main"].reshape(-1)[pc.lo:pc.hi])
+
+    @torch.no_grad()
+    def reload_main_from_model(self) -> None:
+        """Reset the fp32 main weights from the model's (after loading a checkpoint without them)."""
+        if not self.separate:
+            return
+        for pc in self.pieces:
+            pc.main.data.copy_(pc.param.detach().reshape(-1)[pc.lo:pc.hi].view_as(pc.main))
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of Adam state this rank holds (after the first step or a load)."""
+        return sum(t.numel() * t.element_size() for s in self.inner.state.values() for k, t in s.items() if k in ADAM_KEYS)
+
+    def main_weight_bytes(self) -> int:
+        """Bytes of fp32 main weights this rank holds beyond the model's own parameters."""
+        if not self.separate:
+            return 0
+        if self.distributed:
+            return self.main_buffer.numel() * self.main_buffer.element_size()
+        return sum(pc.main.numel() * pc.main.element_size() for pc in self.pieces)

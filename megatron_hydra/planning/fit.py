@@ -1,0 +1,88 @@
+"""The launcher's memory check: a run whose plan exceeds a device stops before any worker starts,
+with one line that names the shortfall and the cheapest single changes that would make it fit.
+
+"Cheapest" is an order of cost, not a measurement: selective recompute (recomputes only core
+attention, a few percent of the FLOPs), the distributed optimizer (same communication volume as
+the all-reduce), sequence parallelism (no extra communication), full recompute (one more forward,
+about a third more compute), a smaller micro-batch (less arithmetic intensity), then more tensor or
+pipeline parallelism (more communication, fewer data-parallel replicas). Each candidate is derived
+and planned like the run itself; those that fit are named, else the largest savings.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterator, List, Tuple
+
+from megatron_hydra.config.derive import Derived, derive
+from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.planning.memory import GIB, PLANNED_ARCHS, MemoryPlan, plan_memory
+
+
+def _set(key: str, value) -> Callable[[RunConfig], None]:
+    group, name = key.split(".")
+    return lambda cfg: setattr(getattr(cfg, group), name, value)
+
+
+def _candidates(cfg: RunConfig, derived: Derived) -> Iterator[Tuple[str, Callable[[RunConfig], None]]]:
+    if cfg.recompute.granularity is None:
+        yield "recompute.granularity=selective", _set("recompute.granularity", "selective")
+    if derived.dp > 1 and not cfg.optim.distributed_optimizer:
+        yield "optim.distributed_optimizer=true", _set("optim.distributed_optimizer", True)
+    if derived.tp > 1 and not cfg.parallel.sequence_parallel:
+        yield "parallel.sequence_parallel=true", _set("parallel.sequence_parallel", True)
+    if cfg.recompute.granularity != "full":
+        def full(c: RunConfig) -> None:
+            c.recompute.granularity, c.recompute.method, c.recompute.num_layers = "full", "uniform", 1
+        yield "recompute.granularity=full", full
+    if cfg.data.micro_batch_size > 1:
+        smaller = cfg.data.micro_batch_size // 2
+        yield f"data.micro_batch_size={smaller}", _set("data.micro_batch_size", smaller)
+    yield f"parallel.tensor_parallel_size={2 * derived.tp}", _set("parallel.tensor_parallel_size", 2 * derived.tp)
+    yield f"parallel.pipeline_parallel_size={2 * derived.pp}", _set("parallel.pipeline_parallel_size", 2 * derived.pp)
+
+
+def _try(cfg: RunConfig, change: Callable[[RunConfig], None]):
+    changed = copy.deepcopy(cfg)
+    change(changed)
+    try:
+        return plan_memory(changed, derive(changed))
+    except ConfigError:  # the change is not a valid layout for this model or world size
+        return None
+
+
+def fixes(cfg: RunConfig, derived: Derived, plan: MemoryPlan) -> List[str]:
+    """Single changes that make the plan fit, cheapest first; else the three largest savings
+    (those worth at least 5% of the shortfall)."""
+    fitting, savings = [], []
+    for name, change in _candidates(cfg, derived):
+        other = _try(cfg, change)
+        if other is None:
+            continue
+        if other.fits:
+            fitting.append(f"{name} (peak {other.peak.total_bytes / GIB:.2f} GiB)")
+        else:
+            savings.append((plan.peak.total_bytes - other.peak.total_bytes, name))
+    if fitting:
+        return fitting[:3]
+    shortfall = plan.peak.total_bytes - plan.device_bytes
+    best = [(saved, name) for saved, name in sorted(savings, reverse=True) if saved >= 0.05 * shortfall][:3]
+    return [f"{name} (saves {saved / GIB:.2f} GiB, not enough alone)" for saved, name in best]
+
+
+def check_fits(cfg: RunConfig, derived: Derived) -> None:
+    """Raise a one-line ConfigError when the run's memory plan exceeds a device."""
+    if cfg.model.arch not in PLANNED_ARCHS:
+        return
+    plan = plan_memory(cfg, derived)
+    if plan.fits:
+        return
+    peak = plan.peak
+    suggestions = fixes(cfg, derived, plan) or ["a larger trainer.devices x trainer.num_nodes or a smaller model"]
+    raise ConfigError(
+        f"the memory plan needs {peak.total_bytes / GIB:.2f} GiB on {peak.position} but a device has "
+        f"{plan.device_bytes / GIB:.2f} GiB ({plan.device_source}), short by "
+        f"{(peak.total_bytes - plan.device_bytes) / GIB:.2f} GiB: try {'; or '.join(suggestions)} "
+        "(mode=plan prints the table; trainer.device_memory_gb overrides the device size)"
+    )

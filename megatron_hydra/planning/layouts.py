@@ -1,0 +1,195 @@
+"""Which parallel layout to run a model with on a cluster (``mode=plan_layouts``).
+
+Enumerate every layout the config validation accepts on all of the cluster's GPUs: tensor
+parallel within a node (``tp`` divides the GPUs per node), pipeline stages, virtual stages
+(interleaved 1F1B), micro-batch size, activation recompute (none, selective, full), sequence
+parallelism and the distributed optimizer; data parallelism takes the remaining GPUs. A layout is
+kept only if ``derive`` accepts it and the memory plan (``planning.memory.plan_memory``, the same
+plan ``mode=plan`` prints) fits the GPU; the survivors are ranked by the step time of
+``planning.performance`` and the best are printed with the command that runs each.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.schema import ClusterConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.planning.performance import CALIBRATED, Constants, Layout, StepTime, estimate
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = (None, "selective", "full")
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    step: StepTime
+    peak_bytes: int  # memory of the fullest rank
+    overrides: Tuple[str, ...]  # what to add to the command line to run it
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the enumeration may vary (SC21's runs had no sequence parallelism, no distributed
+    optimizer and no overlapped gradient reduction: ``benchmarks/planner_sc21.py`` turns them off)."""
+
+    micro_batches: Sequence[int] = MICRO_BATCHES
+    recompute: Sequence[Optional[str]] = RECOMPUTE
+    sequence_parallel: Sequence[bool] = (False, True)
+    distributed_optimizer: Sequence[bool] = (False, True)
+    overlap_grad_reduce: bool = True
+    max_vpp: int = 8
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -> Iterator[Layout]:
+    """Every layout shape worth checking; ``derive`` rejects the ones the model cannot take."""
+    world = cluster.gpus_per_node * cluster.num_nodes
+    layers, gbs = cfg.model.num_layers, cfg.data.global_batch_size
+    for tp in _divisors(cluster.gpus_per_node):
+        for pp in (k for k in _divisors(layers) if world % (tp * k) == 0):
+            dp = world // (tp * pp)
+            vpps = [1] + ([v for v in _divisors(layers // pp) if 1 < v <= opts.max_vpp] if pp > 1 else [])
+            for b, vpp, rc, sp, do in itertools.product(opts.micro_batches, vpps, opts.recompute,
+                                                        opts.sequence_parallel, opts.distributed_optimizer):
+                if gbs % (b * dp) or (sp and tp == 1) or (do and dp == 1):
+                    continue
+                yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
+                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce)
+
+
+def overrides(layout: Layout) -> Tuple[str, ...]:
+    out = [f"parallel.tensor_parallel_size={layout.tp}", f"parallel.pipeline_parallel_size={layout.pp}",
+           f"data.micro_batch_size={layout.micro_batch}"]
+    if layout.vpp > 1:
+        out += [f"parallel.virtual_pipeline_size={layout.vpp}", "parallel.pipeline_schedule=interleaved_1f1b"]
+    if layout.sequence_parallel:
+        out.append("parallel.sequence_parallel=true")
+    if layout.recompute:
+        out.append(f"recompute.granularity={layout.recompute}")
+    if layout.distributed_optimizer:
+        out.append("optim.distributed_optimizer=true")
+    return tuple(out)
+
+
+def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> RunConfig:
+    """``cfg`` run with ``layout`` on every GPU of ``cluster`` in bf16."""
+    out = copy.deepcopy(cfg)
+    par = out.parallel
+    par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size = layout.tp, layout.pp, 1
+    par.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
+    par.pipeline_schedule = "interleaved_1f1b" if layout.vpp > 1 else "1f1b"
+    par.sequence_parallel, par.layers_per_stage = layout.sequence_parallel, None
+    out.data.micro_batch_size = layout.micro_batch
+    out.recompute.granularity = layout.recompute
+    out.recompute.method, out.recompute.num_layers = "uniform", 1
+    out.optim.distributed_optimizer = layout.distributed_optimizer
+    out.precision.params_dtype = "bfloat16"
+    tr = out.trainer
+    tr.accelerator, tr.devices, tr.num_nodes = "gpu", cluster.gpus_per_node, cluster.num_nodes
+    tr.device_memory_gb = cluster.memory_gb
+    out.mode = "train"
+    return out
+
+
+def memory_peak(cfg: RunConfig, derived: Derived) -> Tuple[bool, int]:
+    """(fits, bytes of the fullest rank) from the memory plan."""
+    from megatron_hydra.planning.memory import plan_memory
+
+    plan = plan_memory(cfg, derived)
+    return plan.fits, plan.peak.total_bytes
+
+
+def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options(), constants: Constants = CALIBRATED,
+                 memory: Callable[[RunConfig, Derived], Tuple[bool, int]] = memory_peak) -> List[Candidate]:
+    """Every valid layout that fits memory, fastest first."""
+    found = []
+    for layout in layouts(cfg, cluster, opts):
+        run_cfg = layout_config(cfg, cluster, layout)
+        try:
+            derived = derive(run_cfg)
+        except ConfigError:
+            continue
+        fits, peak = memory(run_cfg, derived)
+        if not fits:
+            continue
+        step = estimate(derived.transformer, cfg.data.global_batch_size, layout, cluster, constants)
+        found.append(Candidate(layout, step, peak, overrides(layout)))
+    found.sort(key=lambda c: c.step.total)
+    return found
+
+
+def _command(base: Sequence[str], cand: Candidate, cluster: ClusterConfig) -> str:
+    launcher = ["-m", "hydra/launcher=slurm"] if cluster.num_nodes > 1 else []
+    precision = ["precision=bf16"] if os.path.exists(os.path.join(CONF, "precision", "bf16.yaml")) else [
+        "precision.params_dtype=bfloat16"]
+    trainer = ["trainer=gpu", f"trainer.devices={cluster.gpus_per_node}", f"trainer.num_nodes={cluster.num_nodes}"]
+    return " ".join(["python launch.py", *launcher, *base, *precision, *trainer, *cand.overrides])
+
+
+def describe(layout: Layout) -> str:
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}", f"mb={layout.micro_batch}"]
+    if layout.vpp > 1:
+        parts.append(f"vpp={layout.vpp}")
+    parts.append(f"recompute={layout.recompute or 'none'}")
+    if layout.sequence_parallel:
+        parts.append("sp")
+    if layout.distributed_optimizer:
+        parts.append("dist-opt")
+    return " ".join(parts)
+
+
+def report(cfg: RunConfig, cluster: ClusterConfig, found: List[Candidate], base: Sequence[str], top: int = 5) -> str:
+    """The best ``top`` layouts: estimated step time, throughput, memory, and the command."""
+    gpus = cluster.gpus_per_node * cluster.num_nodes
+    lines = [f"{cfg.model.name} on {cluster.name}: {gpus} x {cluster.gpu} ({cluster.num_nodes} nodes of "
+             f"{cluster.gpus_per_node}), global batch {cfg.data.global_batch_size} x {cfg.model.seq_length} tokens; "
+             f"{len(found)} layouts fit in {cluster.memory_gb:g} GB"]
+    if not found:
+        lines.append("no layout fits: use more GPUs (cluster.num_nodes) or a smaller global batch / model")
+        return "\n".join(lines)
+    lines.append(f"{'#':>2}  {'layout':<52} {'step s':>8} {'tokens/s':>10} {'model TFLOP/s/GPU':>18} {'hw TFLOP/s/GPU':>15}"
+                 f" {'bubble':>7} {'comm':>6} {'mem GiB':>8}")
+    for i, cand in enumerate(found[:top], 1):
+        st = cand.step
+        comm = (st.tp_comm + st.pp_comm + st.dp_comm) / st.total
+        lines.append(f"{i:>2}  {describe(cand.layout):<52} {st.total:>8.2f} {st.tokens_per_s:>10.0f} "
+                     f"{st.model_tflops_per_gpu:>18.1f} {st.tflops_per_gpu:>15.1f} {st.bubble / st.total:>7.1%} "
+                     f"{comm:>6.1%} {cand.peak_bytes / 2**30:>8.1f}")
+    lines.append("commands:")
+    for i, cand in enumerate(found[:top], 1):
+        lines.append(f"{i:>2}  {_command(base, cand, cluster)}")
+    return "\n".join(lines)
+
+
+def base_overrides(cfg: RunConfig) -> List[str]:
+    """The user's command-line overrides that describe the model and data (the layout keys, mode
+    and cluster are the planner's); outside Hydra, the model's config name."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return [f"model={cfg.model.name}"]
+    planned = ("mode=", "cluster=", "cluster.", "parallel", "trainer", "precision", "recompute.", "hydra",
+               "data.micro_batch_size=", "optim.distributed_optimizer=")
+    return [o for o in task if not o.lstrip("+~").startswith(planned)]
+
+
+def run_planner(cfg: RunConfig, top: int = 5) -> List[Candidate]:
+    """``mode=plan_layouts``: print the best layouts for ``cfg.cluster``."""
+    if cfg.cluster is None:
+        raise ConfigError("mode=plan_layouts needs a cluster: add cluster=<name> (one of conf/cluster/*.yaml)")
+    found = plan_layouts(cfg, cfg.cluster)
+    print(report(cfg, cfg.cluster, found, base_overrides(cfg), top))
+    return found

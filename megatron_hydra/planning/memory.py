@@ -1,0 +1,399 @@
+"""Bytes per rank of a run, from the config alone: the plan behind ``mode=plan`` and the launcher's
+"does not fit" check. Nothing here allocates memory or needs a process group.
+
+Parameters (exact). Each pipeline rank's model chunks are built on the meta device at tp=1 from the
+run's ``TransformerConfig`` (whose padded vocabulary already belongs to the run's tp). A parameter
+tagged with a ``tp_partition_dim`` holds 1/tp of its logical tensor on every TP rank (the parallel
+layers shard evenly, which ``models.init`` relies on too); the others are whole on every TP rank.
+TP ranks are therefore symmetric, and so are DP ranks: the plan has one row per pipeline rank,
+neighbours with identical rows merged. Builds are cached by (shape, layer count, first/last stage).
+
+Model and optimizer state (the byte rules, all in ``state_bytes``). N is the rank's parameter count,
+``dtype`` is ``precision.params_dtype``:
+
+    weights        N x itemsize(dtype)
+    grads          N x 4 for bfloat16/float16 (an fp32 grad buffer), else N x itemsize(dtype)
+    main weights   N x 4 for bfloat16/float16 (fp32 copies the optimizer updates), else 0
+    optimizer      Adam's exp_avg and exp_avg_sq: 2 x N x 4 (2 x N x 8 for float64)
+
+With ``optim.distributed_optimizer`` the main weights and the optimizer state cover only this DP
+rank's shard of its flat parameter buffer: N becomes ceil(N / dp) for those two. Precisely, the
+flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to a multiple of dp
+(``parallel.data_parallel.bucket_layout``, which the plan calls with the rank's parameters in
+buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
+weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
+parameter tensor, are left out.)
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models"). Per layer and micro-batch, s = sequence, b = micro-batch, h = hidden, a = heads,
+t = tp, the paper's bytes (16-bit activations, 1-byte dropout masks) are
+
+    no parallelism                 sbh (34 + 5as/h)
+    tensor parallel                sbh (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel     sbh/t (34 + 5as/h)
+    selective recompute (+SP)      34 sbh/t
+    full recompute                 2 sbh per checkpointed input (/t with SP)
+
+``activation_bytes_per_layer`` computes them from their terms, with v the bytes of an activation
+value and m those of a dropout-mask element (r = 1/t under SP, else 1; g query groups, d head
+size, f ffn size):
+
+    norm inputs (2)                2 v sbh r
+    QKV and fc1 inputs             2 v sbh r      (r = 1 under SP with ``sp_gathered_inputs``)
+    hidden-dropout masks (2)       2 m sbh r      (0 without hidden dropout)
+    Q, K, V                        v sb (a + 2g) d / t
+    attention-projection input     v sb a d / t
+    MLP                            v sb f x 2 / t (gated: x 4: gate, act(gate), up, product)
+    core attention, unfused        a s^2 b (2v + m) / t   (v without attention dropout)
+
+For f = 4h, g = a, d = h/a, v = 2, m = 1 these sum to the paper's rows. Selective recompute drops
+the core-attention term (its inputs Q, K, V stay); full recompute keeps one input per checkpointed
+region and adds, once per rank, the replay of one region in backward (its layers' full activations).
+
+Conventions of the plan (how this code runs): v = itemsize(params dtype), activations run in it.
+m = 1 on GPU (fused dropout keeps a boolean mask), m = v on CPU (its dropout keeps the scaled mask in
+the activation dtype). Core attention is ``F.scaled_dot_product_attention``: on GPU, and on CPU
+without attention dropout, a fused (flash-style) kernel keeps only its log-sum-exp (4 a s b / t)
+besides Q, K, V and its output, which is the projection's input already counted, instead of the
+s^2 terms; on CPU with attention dropout torch's unfused path keeps exactly the paper's terms.
+Under SP our column-parallel layers keep their all-gathered input for backward (Megatron
+re-gathers it), so those two inputs count at full size.
+
+Outside the layers (Korthikanti's and Megatron's accounting): the first stage keeps the token ids
+(8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
+the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
+(max(4, v) sbV/t, fp32 for 16-bit logits) with its targets (8 sb).
+
+Pipeline in-flight micro-batches (activations a rank holds at its peak), each a chunk's worth:
+1F1B: pipeline rank i holds min(pp - i, n) micro-batches (n = micro-batches per step); interleaved
+(and zero-bubble, which runs the same warm-up): 2 (pp - i - 1) + (vpp - 1) pp + 1 chunk
+micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
+(1 + (pp - 1)/(pp vpp)) x pp stages' worth); ZB-V: 2 pp chunks, as 1F1B's first stage. pp = 1: one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_hydra.config.derive import Derived
+from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
+from megatron_hydra.parallel.recompute import recomputed_chunks
+
+GIB = 2**30
+HALF = (torch.bfloat16, torch.float16)
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+PLANNED_ARCHS = ("gpt",)  # the models whose chunks the plan builds (GPTModel)
+# A GPU config planned on a machine without one: the memory of an 80 GB A100/H100.
+ASSUMED_GPU_MEMORY_GB = 80.0
+
+
+# Byte rules -------------------------------------------------------------------------------------
+
+def state_bytes(numel: int, dtype: torch.dtype, shard: Optional[int] = None, padded: Optional[int] = None):
+    """(weights, grads, main weights, optimizer state) bytes of ``numel`` parameters on one rank.
+    ``shard``: the elements this rank's optimizer owns (distributed optimizer; default all);
+    ``padded``: the length of the flat buffers when padded for sharding (default ``numel``)."""
+    item = dtype.itemsize
+    shard = numel if shard is None else shard
+    length = numel if padded is None else padded
+    weights = length * item
+    grads = length * (4 if dtype in HALF else item)
+    main = shard * 4 if dtype in HALF else 0
+    optimizer = 2 * shard * (8 if dtype == torch.float64 else 4)
+    return weights, grads, main, optimizer
+
+
+def flat_buffer(numels: List[int], bucket_size: int, dp: int, distributed_optimizer: bool) -> Tuple[int, int]:
+    """(padded length, this rank's shard) of the flat buffers over parameters of ``numels`` (in
+    the model's parameter order), as ``parallel.data_parallel`` lays them out."""
+    if not distributed_optimizer:
+        return sum(numels), sum(numels)
+    from megatron_hydra.parallel.data_parallel import bucket_layout
+
+    layout = bucket_layout(list(reversed(numels)), bucket_size, dp)  # the buffer runs in reverse order
+    return layout[-1][3], sum((end - start) // dp for _, _, start, end in layout)
+
+
+# Parameters ---------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> Tuple[Tuple[int, bool], ...]:
+    from megatron_hydra.models.gpt import GPTModel
+    from megatron_hydra.parallel.state import ParallelState
+
+    model = GPTModel(tcfg, ParallelState.single(), layers=range(num_layers), pre_process=pre,
+                     post_process=post, device="meta")
+    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
+
+
+def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int) -> List[int]:
+    """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
+    layers, in the model's parameter order."""
+    shape_only = dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                     recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1)
+    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only, num_layers, pre, post)]
+
+
+def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:
+    """(layers, first stage, last stage) of each model chunk pipeline rank ``pp_rank`` holds."""
+    per_stage = derived.layers_per_stage
+    if derived.pp == 1:
+        return [(sum(per_stage), True, True)]
+    stages = stage_indices(pp_rank, derived.pp, derived.vpp, cfg.parallel.pipeline_schedule)
+    return [(len(stage_layers(per_stage, s)), s == 0, s == len(per_stage) - 1) for s in stages]
+
+
+# Activations --------------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: Optional[str] = None,
+                               ffn_hidden: Optional[int] = None, query_groups: Optional[int] = None,
+                               kv_channels: Optional[int] = None, gated: bool = False,
+                               value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
+                               attention_dropout: bool = True, attention: str = "unfused",
+                               sp_gathered_inputs: bool = False) -> float:
+    """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
+    defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
+    keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel)."""
+    s, b, h, a, t, v = seq, micro_batch, hidden, heads, tp, value_bytes
+    sbh, r = s * b * h, (1.0 / tp if sequence_parallel else 1.0)
+    if recompute == "full":
+        return v * sbh * r
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    g = a if query_groups is None else query_groups
+    d = h // a if kv_channels is None else kv_channels
+    inputs_r = 1.0 if sequence_parallel and sp_gathered_inputs else r
+    total = 2 * v * sbh * r + 2 * v * sbh * inputs_r + (2 * mask_bytes * sbh * r if hidden_dropout else 0)
+    total += v * s * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
+    if recompute == "selective":
+        return total
+    if attention == "fused":
+        return total + 4 * a * s * b / t
+    return total + a * s * s * b * (2 * v + mask_bytes if attention_dropout else v) / t
+
+
+def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
+    """``activation_bytes_per_layer`` arguments for this run, in the plan's conventions."""
+    tc, gpu = derived.transformer, cfg.trainer.accelerator == "gpu"
+    v = tc.params_dtype.itemsize
+    return dict(seq=tc.seq_length, micro_batch=cfg.data.micro_batch_size, hidden=tc.hidden_size,
+                heads=tc.num_attention_heads, tp=derived.tp, sequence_parallel=tc.sequence_parallel,
+                ffn_hidden=tc.ffn_hidden_size, query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
+                gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
+                hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
+                attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True)
+
+
+def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:
+    """Bytes per micro-batch kept by the embedding (first stage) and by the head + loss (last)."""
+    tc = derived.transformer
+    s, b, h, v, t = shape["seq"], shape["micro_batch"], shape["hidden"], shape["value_bytes"], derived.tp
+    r = 1.0 / t if tc.sequence_parallel else 1.0
+    embedding = 8 * s * b + (shape["mask_bytes"] * s * b * h * r if tc.hidden_dropout > 0 else 0)
+    head = v * s * b * h * r + v * s * b * h + max(4, v) * s * b * tc.padded_vocab_size / t + 8 * s * b
+    return embedding, head
+
+
+def _chunk_activations(n_layers: int, tc: TransformerConfig, full: float, selective: float,
+                       checkpointed: float) -> Tuple[float, float]:
+    """(bytes a micro-batch leaves in a chunk of ``n_layers``, extra bytes of a backward replay)."""
+    if tc.recompute_granularity == "selective":
+        return n_layers * selective, 0.0
+    if tc.recompute_granularity != "full":
+        return n_layers * full, 0.0
+    stored = replay = 0.0
+    for start, end, recomputed in recomputed_chunks(n_layers, "full", tc.recompute_method, tc.recompute_num_layers):
+        stored += checkpointed if recomputed else (end - start) * full
+        replay = max(replay, (end - start) * full if recomputed else 0.0)
+    return stored, replay
+
+
+def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: int) -> int:
+    """Chunk forwards (micro-batch x model chunk) whose activations pipeline rank ``pp_rank``
+    holds at once at its peak (module docstring)."""
+    if pp == 1:
+        return 1
+    if schedule == "1f1b":
+        return min(pp - pp_rank, num_microbatches)
+    if schedule == "zbv":
+        return min(2 * pp, 2 * num_microbatches)
+    return min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp)
+
+
+# The plan -----------------------------------------------------------------------------------------
+
+@dataclass
+class RankMemory:
+    position: str
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    main_weight_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weight_bytes + self.grad_bytes + self.main_weight_bytes + self.optimizer_bytes
+                + self.activation_bytes)
+
+
+@dataclass
+class MemoryPlan:
+    ranks: List[RankMemory]
+    device_bytes: int
+    title: str = ""
+    device_source: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total_bytes <= self.device_bytes
+
+    def table(self) -> str:
+        cols = ("params", "weights", "grads", "main wts", "optimizer", "activations", "total")
+        width = max(14, *(len(r.position) + 2 for r in self.ranks))
+        unit, size = ("GiB", GIB) if self.peak.total_bytes >= GIB else ("MiB", 2**20)
+        lines = [self.title] if self.title else []
+        lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>13}" for c in cols) + f"   ({unit})")
+        for r in self.ranks:
+            values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.activation_bytes, r.total_bytes)
+            lines.append(f"{r.position:<{width}}{_count(r.params):>13}" + "".join(f"{x / size:>13.2f}" for x in values))
+        peak = self.peak
+        verdict = "fits" if self.fits else f"does NOT fit: short by {(peak.total_bytes - self.device_bytes) / GIB:.2f} GiB"
+        lines.append(f"device memory {self.device_bytes / GIB:.2f} GiB ({self.device_source}); "
+                     f"peak {peak.total_bytes / GIB:.2f} GiB on {peak.position}: {verdict}")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _host_memory() -> int:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def device_memory(cfg: RunConfig) -> Tuple[int, str]:
+    """Bytes of one device and where the number comes from: ``trainer.device_memory_gb`` (GiB), the
+    GPU's reported memory, or on CPU the machine's RAM (cgroup limit included) over the local ranks."""
+    trainer = cfg.trainer
+    if trainer.device_memory_gb is not None:
+        if trainer.device_memory_gb <= 0:
+            raise ConfigError(f"trainer.device_memory_gb={trainer.device_memory_gb} must be > 0, or null to read it from the device")
+        return int(trainer.device_memory_gb * GIB), "trainer.device_memory_gb"
+    if trainer.accelerator == "gpu":
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory, "reported by the GPU"
+        return int(ASSUMED_GPU_MEMORY_GB * GIB), "assumed, no GPU visible: set trainer.device_memory_gb"
+    return _host_memory() // trainer.devices, f"host RAM / {trainer.devices} local ranks"
+
+
+def _position(pp_rank: int, pp: int, chunks) -> str:
+    if pp == 1:
+        return "every rank"
+    roles = [role for role, present in (("first", any(c[1] for c in chunks)), ("last", any(c[2] for c in chunks))) if present]
+    return f"pp{pp_rank}" + (f" ({'+'.join(roles)} stage)" if roles else "")
+
+
+def rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int) -> RankMemory:
+    """The plan's row of pipeline rank ``pp_rank`` (any of its TP and DP ranks)."""
+    layer = _layer_shape(cfg, derived)
+    return _rank_memory(cfg, derived, pp_rank, layer, _outside_layers(cfg, derived, layer))
+
+
+def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, outside) -> RankMemory:
+    tc = derived.transformer
+    chunks = rank_chunks(cfg, derived, pp_rank)
+    numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
+    params = sum(numels)
+    padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
+    weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
+    full = activation_bytes_per_layer(**layer)
+    selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
+    checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
+    per_chunk = [_chunk_activations(n, tc, full, selective, checkpointed) for n, _, _ in chunks]
+    flight = in_flight(cfg.parallel.pipeline_schedule, derived.pp, derived.vpp, pp_rank, derived.num_microbatches)
+    per_chunk_flight = math.ceil(flight / len(chunks))
+    activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
+    embedding, head = outside
+    activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
+    return RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer, round(activations))
+
+
+def _merge(rows: List[RankMemory]) -> List[RankMemory]:
+    """Neighbouring middle pipeline ranks with identical rows become one row ``ppA-B``."""
+    out: List[RankMemory] = []
+    last = None  # position of the first rank of the current run of identical rows
+    for row in rows:
+        prev = out[-1] if out else None
+        same = prev is not None and dataclasses.astuple(row)[1:] == dataclasses.astuple(prev)[1:]
+        if same and "stage" not in row.position and "stage" not in prev.position:
+            out[-1] = dataclasses.replace(prev, position=f"{last}-{row.position[2:]}")
+        else:
+            out.append(row)
+            last = row.position
+    return out
+
+
+def _title(cfg: RunConfig, derived: Derived) -> str:
+    rc = cfg.recompute
+    recompute = "none" if rc.granularity is None else rc.granularity
+    if rc.granularity == "full":
+        recompute += f" ({rc.method}, {rc.num_layers})"
+    return (f"memory plan: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp}"
+            f"{f' (vpp {derived.vpp})' if derived.vpp > 1 else ''} x dp {derived.dp}"
+            f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
+            f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
+            f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "
+            f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}")
+
+
+def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
+    """Bytes per distinct rank position of the run ``cfg`` (module docstring)."""
+    if cfg.model.arch not in PLANNED_ARCHS:
+        raise ConfigError(f"the memory plan covers model.arch in {', '.join(PLANNED_ARCHS)}, not {cfg.model.arch!r}: "
+                          "drop mode=plan for this model")
+    device_bytes, source = device_memory(cfg)
+    layer = _layer_shape(cfg, derived)
+    outside = _outside_layers(cfg, derived, layer)
+    rows = [_rank_memory(cfg, derived, i, layer, outside) for i in range(derived.pp)]
+    notes = []
+    if derived.pp > 1:
+        from megatron_hydra.config.derive import _check_pipeline
+
+        try:
+            _check_pipeline(cfg, derived.pp, derived.vpp, derived.dp, derived.num_microbatches)
+        except ConfigError as e:
+            notes.append(f"training would refuse this layout: {e}")
+    from megatron_hydra.training.metrics import model_flops_per_step
+
+    flops = model_flops_per_step(derived.transformer, cfg.data.global_batch_size)
+    notes.append(f"model FLOPs per step (global batch {cfg.data.global_batch_size}): {flops:.3e}")
+    return MemoryPlan(_merge(rows), device_bytes, _title(cfg, derived), source, notes)

@@ -1,0 +1,208 @@
+"""Step time of a parallel layout on a GPU cluster: an analytic model, calibrated once.
+
+Notation: global batch ``B``, micro-batch ``b``, sequence ``s``, hidden ``h``, heads ``a``, layers
+``l``, padded vocabulary ``V``; tensor, pipeline, virtual-pipeline and data-parallel degrees
+``t, p, v, d``; ``m = B / (b d)`` micro-batches per pipeline per step. Bytes per activation and
+weight element ``e = 2`` (bf16); gradients are reduced in fp32 (4 bytes).
+
+Compute. Per micro-batch, each GPU runs ``1/t`` of its stage's matmuls: per layer and token the
+forward costs ``F_layer = 2 (h (a + 2 g) k + a k h + n_mlp h f) + 4 s a k`` FLOPs (``training.metrics``,
+``g`` query groups, ``k`` head size, ``n_mlp`` = 2, or 3 for SwiGLU), the backward twice that. Matmuls
+run at ``eta * peak``. Memory-bound kernels (layer norms, bias-dropout-add, the activation, softmax
+and dropout over the ``a s`` attention scores) move ``kappa * e * (c_h h_r + 2 f/t + c_s a s / t)``
+bytes per token and layer in the forward (twice in the backward) at HBM speed, where ``h_r = h``
+(``h/t`` with sequence parallelism, which splits the replicated norms and dropouts), ``c_h = 12``
+and ``c_s = 5`` element passes; ``eta`` and ``kappa`` are the two calibrated constants (below).
+Activation recompute adds, in the backward, the forward of every layer (``full``) or of the
+attention matmuls and softmax only (``selective``, Korthikanti et al. 2022). The last stage also
+runs the LM head (``2 h V / t`` FLOPs per token forward) and its cross entropy over ``V / t``
+logits (4 passes); the first stage reads the embedding (negligible).
+
+Tensor parallelism: per layer and micro-batch, 2 all-reduces of ``b s h e`` bytes in the forward and
+2 in the backward (all-gather + reduce-scatter pairs with sequence parallelism: the same volume),
+plus 2 more when the forward is recomputed; a ring moves ``2 (t-1)/t`` of the message per GPU, over
+NVLink when the group fits in a node, else InfiniBand. Not overlapped.
+
+Pipeline: the 1F1B schedule (interleaved with ``v`` chunks per GPU) takes
+``(m + (p-1)/v) * T_stage`` where ``T_stage`` is the forward + backward time of one micro-batch on
+the slowest stage (the bubble is the ``(p-1)/v`` term, Narayanan et al. 2021 eq. 1-2). Each
+micro-batch crosses ``2 v`` stage boundaries per GPU (activation forward, gradient backward), each a
+``b s h e / t`` message (Megatron's scatter-gather: every tensor-parallel rank sends its slice over
+its own adapter) over InfiniBand when the neighbouring stage is on another node (stages are
+``t d`` ranks apart), else NVLink.
+
+Data parallelism: a ring all-reduce of the GPU's fp32 gradients, ``2 (d-1)/d * 4 P_gpu`` bytes per
+GPU (with the distributed optimizer a reduce-scatter of the same gradients plus an all-gather of
+bf16 weights: ``(d-1)/d * (4 + 2) P_gpu``), over NVLink when the group fits in a node, else
+InfiniBand. Overlapped, only what outlasts the backward of the last micro-batch is exposed.
+
+Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of their rate (NCCL's
+bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
+are fixed, not fitted.
+
+Calibration. ``eta`` (the achieved fraction of peak of large bf16 matmuls) and ``kappa`` (how many
+times the counted element passes the memory-bound kernels really make) were fitted once, by least
+squares on the relative error of TFLOP/s per GPU, to the ten rows of Narayanan et al. 2021
+(SC21), Table 1 (``planning.sc21``), and nothing else; ``benchmarks/planner_sc21.py`` prints the
+fit's per-row error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from megatron_hydra.config.schema import ClusterConfig
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+ACT_BYTES = 2
+GRAD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Constants:
+    eta: float = 0.67  # achieved fraction of peak of large matmuls (fitted on SC21 Table 1)
+    kappa: float = 0.5  # memory-bound traffic relative to the counted passes (fitted on SC21 Table 1)
+    link_efficiency: float = 0.75
+    latency_s: float = 20e-6
+    c_h: float = 12.0
+    c_s: float = 5.0
+
+
+CALIBRATED = Constants()
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    vpp: int = 1
+    recompute: Optional[str] = None  # None | selective | full
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step and where they go (exposed time on the critical path)."""
+
+    compute: float
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    model_flops: float  # per step, whole cluster, recompute not counted
+    hardware_flops: float  # per step, whole cluster, recompute counted (as SC21 reports)
+    gpus: int
+    tokens: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Hardware TFLOP/s per GPU, recompute counted: Narayanan et al.'s figure."""
+        return self.hardware_flops / self.total / self.gpus / 1e12
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.total / self.gpus / 1e12
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total
+
+
+def _layer_fwd_flops_per_token(tc: TransformerConfig) -> tuple:
+    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward."""
+    h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
+    dense = 2 * (h * (a + 2 * g) * k + a * k * h + (3 if tc.activation == "swiglu" else 2) * h * tc.ffn_hidden_size)
+    return float(dense), float(4 * tc.seq_length * a * k)
+
+
+def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
+    return bytes_per_gpu / (gb_per_s * 1e9 * c.link_efficiency) + messages * c.latency_s
+
+
+def _group_link(cluster: ClusterConfig, span: int) -> float:
+    """Bandwidth of a group whose ranks spread over ``span`` consecutive ranks."""
+    return cluster.nvlink_gb_per_s if span <= cluster.gpus_per_node else cluster.ib_gb_per_s
+
+
+def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> float:
+    """Weights on the most loaded GPU (a middle stage has layers only; the embedding stages have
+    the vocabulary too): enough for the gradient volume."""
+    h, k, a, g, f = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups, tc.ffn_hidden_size
+    layer = h * (a + 2 * g) * k + a * k * h + (3 if tc.activation == "swiglu" else 2) * h * f
+    embedding = tc.padded_vocab_size * h
+    layers = tc.num_layers / lay.pp
+    return (layers * layer + embedding) / lay.tp
+
+
+def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: ClusterConfig,
+             c: Constants = CALIBRATED) -> StepTime:
+    """Seconds per step of ``lay`` (see the module docstring for every term)."""
+    t, p, d, b, v = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.vpp
+    s, h, a, f = tc.seq_length, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size
+    m = global_batch / (b * d)
+    tokens_mb = b * s
+    peak, hbm = cluster.peak_tflops * 1e12 * c.eta, cluster.hbm_gb_per_s * 1e9
+    dense, attn = _layer_fwd_flops_per_token(tc)
+
+    # One layer, one micro-batch, on one GPU: forward matmul and memory-bound seconds.
+    mm_dense, mm_attn = tokens_mb * dense / t / peak, tokens_mb * attn / t / peak
+    h_rep = h / t if lay.sequence_parallel else h
+    mem_h = c.kappa * ACT_BYTES * tokens_mb * (c.c_h * h_rep + 2 * f / t) / hbm
+    mem_s = c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
+    fwd = mm_dense + mm_attn + mem_h + mem_s
+    extra = {None: 0.0, "selective": mm_attn + mem_s, "full": fwd}[lay.recompute]
+    layer_time = 3 * fwd + extra
+    head_fwd = (tokens_mb * 2 * h * tc.padded_vocab_size / t / peak
+                + c.kappa * ACT_BYTES * tokens_mb * 4 * tc.padded_vocab_size / t / hbm)
+    layers_per_gpu = tc.num_layers / p
+    stage_time = layers_per_gpu * layer_time + 3 * head_fwd  # the last stage is the slowest
+
+    # Tensor-parallel collectives (per layer and micro-batch, on the critical path).
+    if t > 1:
+        collectives = 4 + (2 if lay.recompute == "full" else 0)
+        msg = 2 * (t - 1) / t * tokens_mb * h * ACT_BYTES
+        tp_layer = collectives * _ring_time(msg, _group_link(cluster, t), c)
+    else:
+        tp_layer = 0.0
+    tp_stage = layers_per_gpu * tp_layer
+
+    # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
+    busy = m * stage_time
+    bubble = (p - 1) / v * stage_time
+    if p > 1:
+        link = cluster.ib_gb_per_s if t * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
+        p2p = _ring_time(tokens_mb * h * ACT_BYTES / t, link, c)
+        pp_comm = (2 * v * m + 2 * (p - 1)) * p2p
+    else:
+        pp_comm = 0.0
+    tp_comm = (m + (p - 1) / v) * tp_stage
+
+    # Data-parallel gradient reduction.
+    dp_comm = 0.0
+    if d > 1:
+        params = _params_per_gpu(tc, lay)
+        volume = (d - 1) / d * params * ((GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES)
+        dp_comm = _ring_time(volume, _group_link(cluster, t * d), c, messages=2)
+        if lay.overlap_grad_reduce:
+            backward_of_last = layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd
+            dp_comm = max(0.0, dp_comm - backward_of_last)
+
+    gpus = t * p * d
+    model_flops = 3 * global_batch * s * (tc.num_layers * (dense + attn) + 2 * h * tc.padded_vocab_size)
+    recompute_flops = global_batch * s * tc.num_layers * {None: 0.0, "selective": attn, "full": dense + attn}[lay.recompute]
+    return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
+                    model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
+                    tokens=global_batch * s)
+
+
+def with_constants(eta: float, kappa: float) -> Constants:
+    return replace(CALIBRATED, eta=eta, kappa=kappa)

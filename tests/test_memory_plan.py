@@ -1,0 +1,258 @@
+"""The memory plan against what a run really holds, and against the paper's formulas.
+
+References: the bytes of the tensors a real training run allocated (parameters, gradient buffer,
+optimizer state, counted on every rank after a step of the full training path), the bytes
+autograd keeps for backward during a forward (a saved-tensor hook counting distinct storages),
+and Korthikanti et al. 2022's closed forms typed in from the paper.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, compose_config, spawn_ranks
+from megatron_hydra.config import derive
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.models.transformer import Block
+from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.parallel.random import seed_model_parallel
+from megatron_hydra.parallel.recompute import run_layers
+from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.planning.memory import activation_bytes_per_layer, plan_memory, rank_memory
+
+# Paper formulas ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s, b, h, a, t", [(2048, 1, 12288, 96, 8), (1024, 4, 768, 12, 2), (512, 2, 512, 8, 4)])
+def test_defaults_are_the_papers_table(s, b, h, a, t):
+    """Korthikanti et al. 2022, Table 2 (bytes per layer, 16-bit activations)."""
+    f = activation_bytes_per_layer
+    assert f(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert f(s, b, h, a, tp=t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert f(s, b, h, a, tp=t, sequence_parallel=True) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert f(s, b, h, a, tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(34 * s * b * h / t)
+    assert f(s, b, h, a, tp=t, recompute="full") == pytest.approx(2 * s * b * h)
+    assert f(s, b, h, a, tp=t, sequence_parallel=True, recompute="full") == pytest.approx(2 * s * b * h / t)
+
+
+# Bytes a real run allocates ------------------------------------------------------------------------
+
+# One row per layout; a row is the command-line overrides of the run (fp32 unless it says).
+LAYOUTS = {
+    "single": [],
+    "dp2": ["trainer.devices=2"],
+    "tp2": ["parallel=tp2", "trainer.devices=2"],
+    "pp2": ["parallel=pp2", "trainer.devices=2"],
+    "tp2_pp2": ["parallel=tp2_pp2", "trainer.devices=4"],
+    "dp2_distributed_optimizer": ["trainer.devices=2", "optim.distributed_optimizer=true"],
+    "tp2_bf16": ["parallel=tp2", "trainer.devices=2", "precision=bf16"],
+    "dp2_bf16_distributed_optimizer": ["trainer.devices=2", "precision=bf16", "optim.distributed_optimizer=true"],
+}
+RUN = [*SMALL, "model.num_layers=4", "trainer.max_steps=1", "optim.warmup_steps=0", "checkpoint.save_last=false"]
+
+
+def _storage_bytes(tensors) -> int:
+    storages = {}
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _count_state(trainer, module) -> dict:
+    """Bytes of the tensors the run holds: parameters, grads (``.grad`` or the buffer's
+    ``main_grad`` views), main weights (optimizer parameters that are not model parameters) and
+    Adam's moments."""
+    params = list(module.parameters())
+    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    opt = trainer.optimizers[0]
+    own = {p.untyped_storage().data_ptr() for p in params}
+    main = [q for group in opt.param_groups for q in group["params"] if q.untyped_storage().data_ptr() not in own]
+    moments = [v for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"params": sum(p.numel() for p in params), "weight_bytes": _storage_bytes(params),
+            "grad_bytes": _storage_bytes(grads), "main_weight_bytes": _storage_bytes(main),
+            "optimizer_bytes": _storage_bytes(moments)}
+
+
+def _real_run_rank(rank, world, overrides, run_dir):
+    import pytorch_lightning as pl
+
+    from megatron_hydra.training import train as train_module
+
+    counted = {}
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            counted.update(_count_state(trainer, pl_module))
+
+    build = train_module.build_trainer
+
+    def with_counter(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        trainer.callbacks.append(Count())
+        return trainer
+
+    train_module.build_trainer = with_counter
+    cfg = compose_config(overrides, run_dir)
+    derived = derive(cfg)
+    train_module.train(cfg, derived, local_rank=rank)
+    ps = ParallelState(sizes={"pp": derived.pp, "dp": derived.dp, "cp": 1, "tp": derived.tp}, rank=rank)
+    planned = rank_memory(cfg, derived, ps.pp_rank)
+    return counted, {k: getattr(planned, k) for k in counted}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
+    overrides = [*RUN, *LAYOUTS[layout]]
+    world = derive(compose_config(overrides)).world_size
+    results = spawn_ranks(_real_run_rank, world, overrides, str(tmp_path))
+    assert sorted(results) == list(range(world))
+    for rank, (counted, planned) in results.items():
+        assert counted == planned, f"rank {rank}"
+        dp = 2 if "optim.distributed_optimizer=true" in overrides else 1  # Adam state for 1/dp of the weights
+        # Adam's two fp32 moments for 1/dp of the parameters (bucket padding aside)
+        assert counted["optimizer_bytes"] == pytest.approx(8 * counted["params"] / dp, abs=8 * dp)
+
+
+# Activations measured against the formulas ---------------------------------------------------------
+
+H, HEADS, SEQ, MICRO = 512, 8, 512, 2  # GPT-like: ffn = 4h, head size 64; 5as/h = 40 of 74 units
+
+
+def _block_config(dropout: float, granularity=None, tp: int = 1, sp: bool = False) -> TransformerConfig:
+    return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, num_query_groups=HEADS,
+                             kv_channels=H // HEADS, ffn_hidden_size=4 * H, seq_length=SEQ, max_position_embeddings=SEQ,
+                             vocab_size=100, padded_vocab_size=128 * tp, hidden_dropout=dropout, attention_dropout=dropout,
+                             recompute_granularity=granularity, sequence_parallel=sp)
+
+
+def measured_bytes_per_layer(cfg: TransformerConfig, ps: ParallelState, layers: int = 2) -> float:
+    """Distinct storages autograd keeps for backward over a forward of ``layers`` blocks, the
+    parameters excluded, per layer."""
+    seed_model_parallel(1, ps.tp_rank)
+    blocks = [Block(cfg, ps) for _ in range(layers)]
+    for block in blocks:
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        block.train()
+    weights = {p.untyped_storage().data_ptr() for block in blocks for p in block.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    seq = SEQ // ps.tp_size if cfg.sequence_parallel else SEQ
+    x = torch.randn(MICRO, seq, H, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_layers(blocks, x, cfg.recompute_granularity, "uniform", 1, True)
+    return sum(saved.values()) / layers
+
+
+def _paper(granularity, tp=1, sp=False, **kw) -> float:
+    """The paper's formula for fp32 activations on CPU, where dropout keeps a float mask (v = m = 4)."""
+    return activation_bytes_per_layer(SEQ, MICRO, H, HEADS, tp=tp, sequence_parallel=sp, recompute=granularity,
+                                      value_bytes=4, mask_bytes=4, **kw)
+
+
+@pytest.mark.parametrize("granularity", [None, "selective", "full"])
+def test_measured_activations_match_the_formula(granularity):
+    measured = measured_bytes_per_layer(_block_config(0.1, granularity), ParallelState.single())
+    assert measured == pytest.approx(_paper(granularity), rel=0.10)
+    # Without dropout CPU attention runs a fused kernel: no s^2 terms (the plan's "fused" case).
+    fused = measured_bytes_per_layer(_block_config(0.0, granularity), ParallelState.single())
+    assert fused == pytest.approx(_paper(granularity, hidden_dropout=False, attention_dropout=False,
+                                         attention="fused"), rel=0.10)
+
+
+def test_full_recompute_keeps_one_input_per_region():
+    cfg = _block_config(0.1, "full")
+    for block_layers in (2, 4):
+        assert measured_bytes_per_layer(cfg, ParallelState.single(), block_layers) == 4 * SEQ * MICRO * H
+
+
+def _tp_activation_rank(rank, world):
+    ps = ParallelState.build(tp=world)
+    return {(g, sp): measured_bytes_per_layer(_block_config(0.1, g, world, sp), ps)
+            for g in (None, "selective") for sp in (False, True)}
+
+
+def test_measured_activations_under_tensor_and_sequence_parallelism():
+    results = spawn_ranks(_tp_activation_rank, 2)
+    for (granularity, sp), measured in results[0].items():
+        assert results[1][(granularity, sp)] == measured  # TP ranks are symmetric
+        # Under SP our column-parallel layers keep their gathered input (module docstring).
+        expected = _paper(granularity, tp=2, sp=sp, sp_gathered_inputs=True)
+        assert measured == pytest.approx(expected, rel=0.10), (granularity, sp)
+        if not sp:
+            assert measured == pytest.approx(_paper(granularity, tp=2), rel=0.10)
+
+
+# Plan mode and the launcher's check ---------------------------------------------------------------
+
+
+def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path):
+    cmd = [sys.executable, str(ROOT / "launch.py"), "model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8",
+           "trainer.num_nodes=16", "mode=plan", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("memory plan: model=gpt_175b, 128 ranks = tp 8 x pp 16 x dp 1")
+    rows = {line.split("  ")[0]: line for line in lines[2:5]}
+    assert list(rows) == ["pp0 (first stage)", "pp1-14", "pp15 (last stage)"]
+    assert not (tmp_path / "resolved_config.yaml").exists() and not (tmp_path / "workers").exists()
+
+
+def test_plan_counts_gpt3_175b_layers_exactly():
+    cfg = compose_config(["model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=16", "mode=plan"])
+    derived = derive(cfg)
+    h, t = 12288, 8
+    # A middle stage: 6 layers; TP-sharded QKV, projection and MLP weights with the QKV and fc1
+    # biases, replicated projection/fc2 biases and two LayerNorms.
+    per_layer = (12 * h * h + 7 * h) // t + 6 * h
+    middle = rank_memory(cfg, derived, 5)
+    assert middle.params == 6 * per_layer
+    assert middle.weight_bytes == middle.grad_bytes == 4 * middle.params
+    assert middle.optimizer_bytes == 8 * middle.params
+    first = rank_memory(cfg, derived, 0)
+    assert first.params - middle.params == 51200 * h // t + 2048 * h  # vocab shard + positions
+
+
+def test_distributed_optimizer_shards_optimizer_bytes():
+    base = [*SMALL, "trainer.devices=4"]
+    plain = plan_memory(cfg := compose_config(base), derive(cfg)).peak
+    sharded = plan_memory(cfg := compose_config([*base, "optim.distributed_optimizer=true"]), derive(cfg)).peak
+    assert sharded.optimizer_bytes == 2 * 4 * -(-plain.params // 4)  # 2 x ceil(N / dp) x 4 bytes
+    assert sharded.weight_bytes >= plain.weight_bytes > sharded.weight_bytes - 4 * 4
+
+
+def test_launch_refuses_a_run_that_cannot_fit(tmp_path):
+    from megatron_hydra.launcher import run
+
+    overrides = [*SMALL, "model.num_layers=4", "model.hidden_size=256", "model.seq_length=256"]
+    peak = plan_memory(cfg := compose_config(overrides), derive(cfg)).peak.total_bytes
+    cfg = compose_config([*overrides, f"trainer.device_memory_gb={0.95 * peak / 2**30}"], str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "short by" in message and "trainer.device_memory_gb" in message
+    assert "recompute.granularity=" in message and "GiB)" in message
+    assert not (tmp_path / "resolved_config.yaml").exists()  # stopped before anything started
+
+
+def test_small_cpu_runs_fit_this_machine():
+    for overrides in ([], SMALL, [*SMALL, "parallel=tp2_pp2", "trainer.devices=8"]):
+        cfg = compose_config(list(overrides))
+        plan = plan_memory(cfg, derive(cfg))
+        assert plan.fits and plan.peak.total_bytes < plan.device_bytes / 10
+
+
+def test_device_memory_must_be_positive():
+    cfg = compose_config([*SMALL, "trainer.device_memory_gb=0"])
+    with pytest.raises(ConfigError, match="trainer.device_memory_gb=0"):
+        plan_memory(cfg, derive(cfg))
