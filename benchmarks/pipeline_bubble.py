@@ -50,7 +50,8 @@ def _measure(pp, vpp, schedule, m, steps, hidden, seq):
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.pipeline import Pipeline
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import build_stage_chunks, masked_mean
+    from megatron_hydra.models.archs import masked_mean
+    from megatron_hydra.training.module import build_stage_chunks
 
     cfg = _config(pp, vpp, schedule, m, hidden, seq)
     derived = derive(cfg)

@@ -124,3 +124,33 @@ def test_bf16_distributed_optimizer_resume_restores_its_shards(tmp_path):
     assert [int(r["step"]) for r in resumed] == [3, 4, 5]
     for a, b in zip(resumed, whole[3:]):
         assert a["loss"] == b["loss"]
+
+
+def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(tmp_path):
+    # Read back with torch's own DCP converter (independent of our loader): the checkpoint holds
+    # the bf16 model and its fp32 main weights, the former the rounding of the latter; an fp32
+    # model loading it gets the fp32 main weights, not the rounded copy.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megatron_hydra.checkpoint import sharded
+    from megatron_hydra.config import derive
+    from megatron_hydra.models.gpt import GPTModel
+    from megatron_hydra.parallel.state import ParallelState
+
+    ckpt = tmp_path / "ckpt"
+    run_training([*SMALL, "precision=bf16", "trainer.max_steps=3", f"checkpoint.dir={ckpt}"], tmp_path / "run")
+    step_dir = next(ckpt.glob("step_*"))
+    dcp_to_torch_save(str(step_dir), str(tmp_path / "whole.pt"))
+    saved = torch.load(tmp_path / "whole.pt", weights_only=True)
+    names = [k[len("main/"):] for k in saved if k.startswith("main/")]
+    assert names and all(saved[f"model/{n}"].dtype == torch.bfloat16 for n in names)
+    assert all(saved[f"main/{n}"].dtype == torch.float32 for n in names)
+    assert all(torch.equal(saved[f"main/{n}"].to(torch.bfloat16), saved[f"model/{n}"]) for n in names)
+    assert any(not torch.equal(saved[f"main/{n}"], saved[f"model/{n}"].float()) for n in names)
+
+    derived = derive(compose_config(SMALL))
+    model = GPTModel(derived.transformer, ParallelState.single())
+    sharded.load(str(step_dir), model, None, ParallelState.single(), derived.transformer.vocab_size, load_optimizer=False)
+    for name, p in model.named_parameters():
+        expected = saved[f"main/{name}"]
+        assert torch.equal(p.detach()[:expected.shape[0]], expected), name

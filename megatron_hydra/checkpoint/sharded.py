@@ -215,7 +215,9 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
         step_key = next(k for k in metadata if k.startswith("optim/") and k.endswith("/step"))
         states = optimizer.checkpoint_state(metadata[step_key].properties.dtype)
     for e in local:
-        loader.add(f"model/{e.name}", e.param, e)
+        # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
+        full = e.param.dtype == torch.float32 and f"main/{e.name}" in metadata
+        loader.add(f"main/{e.name}" if full else f"model/{e.name}", e.param, e)
         if e.param in states:
             state = states[e.param]
             loader.add(f"optim/{e.name}/step", state["step"], Entry(e.name, e.param, None, False, e.copy))

@@ -25,7 +25,7 @@ from torch import nn
 from megatron_hydra.models.transformer import Block, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
@@ -36,14 +36,6 @@ def replicated(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         p.tp_partition_dim, p.sequence_parallel = None, False
     return module
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Set the logits of padded vocabulary entries of this TP shard to -inf (in place)."""
-    first_padded = vocab_size - tp_rank * logits.shape[-1]
-    if first_padded < logits.shape[-1]:
-        logits[..., max(first_padded, 0):] = float("-inf")
-    return logits
 
 
 def run_stack(cfg: TransformerConfig, layers, x: torch.Tensor, training: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from megatron_hydra.models.transformer import Block, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
@@ -76,10 +76,7 @@ class GPTModel(nn.Module):
         """Logits of this TP rank's vocabulary shard, [batch, seq, padded_vocab / tp]; the padded
         entries are -inf."""
         logits = parallel_lm_logits(self.final_norm(x), self.lm_head_weight(), self.ps.tp_group, self.cfg.sequence_parallel)
-        first_padded = self.cfg.vocab_size - self.ps.tp_rank * logits.shape[-1]  # local index of id vocab_size
-        if first_padded < logits.shape[-1]:
-            logits[..., max(first_padded, 0):] = float("-inf")  # in place: linear keeps no output for backward
-        return logits
+        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ps.tp_rank)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.

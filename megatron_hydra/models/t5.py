@@ -25,11 +25,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_hydra.models.bert import mask_padded_vocab, run_stack
+from megatron_hydra.models.bert import run_stack
 from megatron_hydra.models.transformer import Attention, Block, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.state import ParallelState
 

@@ -119,3 +119,13 @@ class VocabParallelEmbedding(nn.Module):
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
     """Logits of this rank's vocabulary shard from the (possibly tied) vocab-parallel weight."""
     return F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Set the logits of padded vocabulary entries of this TP shard to -inf (in place: the
+    linear layer that made them keeps no output for backward), so that the loss and sampled
+    tokens do not depend on how much padding the layout needs."""
+    first_padded = vocab_size - tp_rank * logits.shape[-1]
+    if first_padded < logits.shape[-1]:
+        logits[..., max(first_padded, 0):] = float("-inf")
+    return logits

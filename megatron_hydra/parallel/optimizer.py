@@ -206,6 +206,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._gathers.clear()
 
     # Checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The inner AdamW's (same-layout only; ``checkpoint.sharded`` writes layout-free ones)."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
     def _piece_state(self, pc: Piece, step_dtype: torch.dtype) -> dict:
         state = self.inner.state[pc.main]
         if not state:  # as AdamW.step would create it, so that loading can fill it in place

@@ -21,7 +21,7 @@ import pytorch_lightning as pl
 import torch
 
 from megatron_hydra.config import Derived, RunConfig
-from megatron_hydra.models.archs import ARCHS, masked_mean  # noqa: F401  (masked_mean: re-exported)
+from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
