@@ -1,9 +1,19 @@
 """Reading torch.distributed.checkpoint's ``.metadata`` without running code from the file.
 
 DCP loads tensor data with ``torch.load(weights_only=True)`` but unpickles its metadata file with
-plain ``pickle``, which would execute whatever a crafted file asks for. ``SafeReader`` unpickles
-it with an allowlist of the classes DCP's metadata is made of (its metadata dataclasses, torch
-sizes and dtypes, paths) and refuses anything else with a one-line ``CheckpointError``.
+plain ``pickle``, which would execute whatever a crafted file asks for. Three holes are closed here:
+
+- **Globals.** The unpickler resolves only the exact (module, name) pairs that DCP's metadata is
+  made of. A module alone is never enough: since pickle protocol 4 a name may be dotted
+  (``os.system`` looked up *through* an allowed module that imports ``os``), so dotted names and
+  every name not listed are refused.
+- **Byte entries.** DCP reads an entry that the metadata declares as bytes with
+  ``torch.load(weights_only=False)``. megatron-hydra saves tensors only, so the class describing
+  byte entries is not on the list, and the planner refuses byte reads as a second line.
+- **Paths.** Each storage record names the file it lives in; a name that is not a plain file of
+  the checkpoint directory (``../x``, ``/etc/x``) is refused.
+
+Anything refused is a one-line ``CheckpointError`` naming the file.
 """
 
 from __future__ import annotations
@@ -13,29 +23,51 @@ import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from megatron_hydra.errors import CheckpointError
 
-_ALLOWED = {
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
+_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+
+ALLOWED_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    }),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # maps a layout's name to torch.strided etc.
+    "torch": frozenset({"Size"}) | _DTYPES,
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "PureWindowsPath", "WindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
 }
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        allowed = (
-            module == "torch.distributed.checkpoint.metadata"
-            or name in _ALLOWED.get(module, ())
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+        if "." in name or name not in ALLOWED_GLOBALS.get(module, ()):
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
         return super().find_class(module, name)
+
+
+def _refuse(file: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file}: refused to load ({why}): not a metadata file written by megatron-hydra; "
+        "use a checkpoint saved by megatron-hydra"
+    )
+
+
+def _check(file: str, metadata) -> None:
+    """The unpickled object has the shape of our metadata: tensors only, files in the directory."""
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise _refuse(file, f"top-level object is {type(metadata).__name__}, not Metadata")
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise _refuse(file, f"entry {key!r} is {type(md).__name__}, not a tensor")
+    for info in (metadata.storage_data or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or rel in (".", "..") or os.path.basename(rel) != rel or os.path.isabs(rel):
+            raise _refuse(file, f"storage file {rel!r} is outside the checkpoint directory")
 
 
 def read_metadata(path: str):
@@ -44,14 +76,24 @@ def read_metadata(path: str):
     try:
         with open(file, "rb") as f:
             metadata = _RestrictedUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise CheckpointError(
-            f"{file}: refused to load ({e}): not a metadata file written by torch.distributed.checkpoint; "
-            "use a checkpoint saved by megatron-hydra"
-        ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint directory") from None
+    except Exception as e:  # any malformed pickle stream: one line, never a traceback
+        raise _refuse(file, f"{type(e).__name__}: {e}") from None
+    _check(file, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+class TensorOnlyPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, except that it never unpickles a byte entry."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is stored as pickled bytes; megatron-hydra "
+            "checkpoints hold tensors only, so it is refused"
+        )
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -61,3 +103,23 @@ class SafeReader(dcp.FileSystemReader):
         metadata = read_metadata(str(self.path))
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def safe_load(state_dict: dict, path: str) -> None:
+    """``dcp.load`` of ``state_dict`` from ``path`` through the checks above.
+
+    The metadata is checked here first, so that a refusal is our one line rather than DCP's
+    wrapped multi-rank report; a failure while reading the data is reduced to its first line too.
+    """
+    read_metadata(path)
+    try:
+        dcp.load(state_dict, storage_reader=SafeReader(path), planner=TensorOnlyPlanner())
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), e)
+        if isinstance(first, CheckpointError):
+            raise first from None
+        detail = (str(first).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{path}: reading the checkpoint failed ({type(first).__name__}: {detail}); "
+            "the checkpoint is damaged or incomplete: load an earlier one"
+        ) from None

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_hydra.checkpoint import rng, store
-from megatron_hydra.checkpoint.safe_reader import SafeReader, read_metadata
+from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
@@ -228,7 +228,7 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
                     loader.add(_key(e.name, key), state[key], e)
                 else:  # fp32 main weights of a checkpoint saved without them: from the model's
                     missing_main.append((state[key], e.param))
-    dcp.load(loader.sd, storage_reader=SafeReader(path))
+    safe_load(loader.sd, path)
     loader.finish()
     with torch.no_grad():
         for main, param in missing_main:
