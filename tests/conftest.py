@@ -50,6 +50,22 @@ def read_metrics(run_dir: Path) -> List[Dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def assert_same_trajectory(rows: List[Dict[str, float]], reference: List[Dict[str, float]], rel: float,
+                           keys=("loss", "grad_norm")) -> None:
+    """Per-step agreement of two runs' logged metrics: the same number of rows and the same steps
+    (``zip`` alone would silently drop a missing tail), then each of ``keys`` within relative
+    tolerance ``rel`` (0: bitwise equal)."""
+    assert len(rows) == len(reference), f"{len(rows)} logged rows against the reference's {len(reference)}"
+    for ours, ref in zip(rows, reference):
+        step = ref.get("step")
+        assert ours.get("step") == step, f"step {ours.get('step')} against the reference's {step}"
+        for key in keys:
+            if rel == 0:
+                assert ours[key] == ref[key], f"step {step}: {key} {ours[key]!r} != {ref[key]!r}"
+            else:
+                assert ours[key] == pytest.approx(ref[key], rel=rel), f"step {step}: {key} beyond rel {rel}"
+
+
 def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> None:
     import torch.distributed as dist
 

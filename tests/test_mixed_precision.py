@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL, compose_config, run_training, spawn_ranks
+from conftest import SMALL, assert_same_trajectory, compose_config, run_training, spawn_ranks
 
 STEPS = 20
 VALIDATE = ["trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
@@ -31,8 +31,7 @@ def test_tracks_fp32_loss(fp32, precision, layout, tmp_path):
     train = [r for r in rows if "loss" in r]
     ref_train = [r for r in fp32 if "loss" in r]
     assert len(train) == STEPS
-    for ours, ref in zip(train, ref_train):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-3)
+    assert_same_trajectory(train, ref_train, rel=2e-3, keys=("loss",))
     # Validation too: the loss scale must not leak into it (nor into the pipeline's loss sum).
     val, ref_val = [r["val_loss"] for r in rows if "val_loss" in r], [r["val_loss"] for r in fp32 if "val_loss" in r]
     assert len(val) == len(ref_val) == 2 and val == pytest.approx(ref_val, rel=2e-3)
@@ -112,8 +111,7 @@ def test_bf16_resume_restores_fp32_main_weights(layout, tmp_path):
     run_training([*common, "trainer.max_steps=3", f"checkpoint.dir={ckpt}"], tmp_path / "first")
     resumed = run_training([*common, f"checkpoint.dir={ckpt}"], tmp_path / "second")
     assert [int(r["step"]) for r in resumed] == [3, 4, 5]
-    for a, b in zip(resumed, whole[3:]):
-        assert a["loss"] == b["loss"]
+    assert_same_trajectory(resumed, whole[3:], rel=0, keys=("loss",))
 
 
 def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(tmp_path):

@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from conftest import SMALL, compose_config, run_training, spawn_ranks
+from conftest import SMALL, assert_same_trajectory, compose_config, run_training, spawn_ranks
 
 STEPS = 10
 FP64 = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}"]
@@ -49,9 +49,7 @@ def single(tmp_path_factory):
 def test_tp_losses_equal_single_process(single, layout, tmp_path):
     rows = run_training([*FP64, *LAYOUTS[layout]], tmp_path)
     assert [r["step"] for r in rows] == [r["step"] for r in single] == list(range(STEPS))
-    for ours, ref in zip(rows, single):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-9)
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-9)
+    assert_same_trajectory(rows, single, rel=1e-9)
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
@@ -66,8 +64,7 @@ def test_dropout_close_to_single_and_reproducible(single, single_dropout, layout
     again = run_training([*FP64, *DROPOUT, *LAYOUTS[layout]], tmp_path / "b")
     keys = ("loss", "grad_norm")
     assert [[r[k] for k in keys] for r in first] == [[r[k] for k in keys] for r in again]  # bit-identical
-    for ours, ref, off in zip(first, single_dropout, single):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=DROPOUT_REL_TOL)
+    assert_same_trajectory(first, single_dropout, rel=DROPOUT_REL_TOL, keys=("loss",))
     assert any(abs(ours["loss"] - off["loss"]) > 1e-6 for ours, off in zip(first, single))  # dropout is on
 
 
