@@ -2,12 +2,9 @@
 
 The corpus holds one sentence per sequence and marks documents (``preprocess split_sentences=true``).
 
-Samples mapping. Each epoch walks the split's documents and cuts each into runs of consecutive
-sentences that reach a target length (``seq_length - 3`` tokens, or with probability
-``short_seq_prob`` a random length in [2, that], so the model also sees short inputs), keeping
-at least two sentences per run when the sentence-order head needs an A and a B segment. A row is
-(first sentence, end sentence, target length); rows of all epochs are shuffled. Epochs are added
-until there are ``num_samples`` rows.
+Samples mapping (``sentence_samples.build_samples_mapping``): runs of consecutive sentences of
+``seq_length - 3`` target tokens, at least two sentences per run when the sentence-order head
+needs an A and a B segment.
 
 A sample (``build_sample``), with its own random stream seeded by (seed + index) so it is a pure
 function of the index: split the run at a random sentence into segments A and B and swap them with
@@ -29,8 +26,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_hydra.data.gpt_dataset import _rng
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.sentence_samples import build_samples_mapping
 from megatron_hydra.data.tokenizers import ByteTokenizer, Tokenizer
 from megatron_hydra.errors import DataError
 
@@ -70,46 +67,6 @@ def word_starts(tok: Tokenizer, size: int) -> np.ndarray:
     if any(p is not None and p.startswith("##") for p in pieces):
         return np.array([p is None or not p.startswith("##") for p in pieces])
     return np.array([p is None or p.startswith(("Ġ", "▁")) for p in pieces])
-
-
-def build_samples_mapping(indexed: IndexedDataset, documents: np.ndarray, num_samples: int, max_num_tokens: int,
-                          short_seq_prob: float, min_sentences: int, seed: int) -> np.ndarray:
-    """Rows (first sentence, end sentence, target length), shuffled; see the module docstring."""
-    lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
-    doc_idx = np.asarray(indexed.document_indices, dtype=np.int64)
-    epochs: List[np.ndarray] = []
-    total, epoch = 0, 0
-    while total < max(num_samples, 1):
-        rows = _epoch_rows(lengths, doc_idx, documents, max_num_tokens, short_seq_prob, min_sentences,
-                           _rng(seed, epoch, 2))
-        if not len(rows):
-            raise DataError(f"{indexed.prefix}: no document has {min_sentences} or more sentences; make the corpus "
-                            "with preprocess split_sentences=true (or disable model.binary_head)")
-        epochs.append(rows)
-        total += len(rows)
-        epoch += 1
-    mapping = np.concatenate(epochs)
-    return mapping[_rng(seed, 0, 3).permutation(len(mapping))]
-
-
-def _epoch_rows(lengths, doc_idx, documents, max_num_tokens, short_seq_prob, min_sentences, rng) -> np.ndarray:
-    def target() -> int:
-        return int(rng.randint(2, max_num_tokens + 1)) if rng.random_sample() < short_seq_prob else max_num_tokens
-
-    rows = []
-    for d in documents:
-        first, last = int(doc_idx[d]), int(doc_idx[d + 1])
-        if last - first < min_sentences:
-            continue
-        start, size, goal = first, 0, target()
-        for s in range(first, last):
-            size += int(lengths[s])
-            remaining, count = last - s - 1, s - start + 1
-            if (size >= goal and remaining > 1 and count >= min_sentences) or remaining == 0:
-                if size > 0 and count >= min_sentences:
-                    rows.append((start, s + 1, goal))
-                start, size, goal = s + 1, 0, target()
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 
 def _segments(sentences: List[np.ndarray], binary_head: bool, rng: np.random.RandomState):

@@ -1,6 +1,6 @@
 """T5 span-corruption samples from sentence-split indexed data (Raffel et al. 2020, section 3.1.4).
 
-Raw text: the same samples mapping as BERT (``bert_dataset.build_samples_mapping``, one sentence
+Raw text: the same samples mapping as BERT (``sentence_samples.build_samples_mapping``, one sentence
 at least), its sentences concatenated and cut to the longest raw length ``L`` whose corrupted
 form fits ``seq_length`` (encoder) and ``decoder_seq_length`` (decoder).
 
@@ -24,7 +24,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from megatron_hydra.data.bert_dataset import build_samples_mapping
+from megatron_hydra.data.sentence_samples import build_samples_mapping
 from megatron_hydra.data.indexed import IndexedDataset
 from megatron_hydra.errors import DataError
 

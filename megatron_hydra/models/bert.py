@@ -22,25 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_hydra.models.transformer import Block, build_norm
+from megatron_hydra.models.transformer import Block, build_norm, run_stack
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, replicated, tp_param
 from megatron_hydra.parallel.random import dropout
-from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
-
-
-def replicated(module: nn.Module) -> nn.Module:
-    """Tag a plain module's parameters as held whole by every TP rank."""
-    for p in module.parameters():
-        p.tp_partition_dim, p.sequence_parallel = None, False
-    return module
-
-
-def run_stack(cfg: TransformerConfig, layers, x: torch.Tensor, training: bool) -> torch.Tensor:
-    """``layers`` (callables of x) in order, with full recomputation as configured."""
-    return run_layers(layers, x, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, training)
 
 
 class PostNormBlock(Block):

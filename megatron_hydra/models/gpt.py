@@ -18,12 +18,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from megatron_hydra.models.transformer import Block, build_norm
+from megatron_hydra.models.transformer import Block, build_norm, run_stack
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, replicated, tp_param
 from megatron_hydra.parallel.random import dropout
-from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -39,11 +38,10 @@ class GPTModel(nn.Module):
                                                     sequence_parallel=cfg.sequence_parallel,
                                                     dtype=cfg.params_dtype, device=device)
             if cfg.position_embedding == "learned":
-                self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                       dtype=cfg.params_dtype, device=device)
-                # Under SP each rank looks up only its slice's positions: sum the grads over TP.
-                self.position_embedding.weight.tp_partition_dim = None
-                self.position_embedding.weight.sequence_parallel = cfg.sequence_parallel
+                # Under SP each rank looks up only its slice's positions: the grads are summed over TP.
+                self.position_embedding = replicated(nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                                  dtype=cfg.params_dtype, device=device),
+                                                     cfg.sequence_parallel)
         self.layers = nn.ModuleDict({str(i): Block(cfg, ps, device) for i in layers})
         if post_process:
             self.final_norm = build_norm(cfg, device)
@@ -85,9 +83,7 @@ class GPTModel(nn.Module):
         (generation): ``tokens`` continue the sequence whose keys and values it holds."""
         x = self.embed(tokens, 0 if kv_cache is None else kv_cache.offset) if self.pre_process else tokens
         if kv_cache is None:
-            c = self.cfg
-            x = run_layers(list(self.layers.values()), x, c.recompute_granularity, c.recompute_method,
-                           c.recompute_num_layers, self.training)
+            x = run_stack(self.cfg, list(self.layers.values()), x, self.training)
         else:
             for block in self.layers.values():
                 x = block(x, kv_cache)

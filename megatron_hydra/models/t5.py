@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_hydra.models.bert import run_stack
-from megatron_hydra.models.transformer import Attention, Block, build_norm
+from megatron_hydra.models.transformer import Attention, Block, build_norm, run_stack
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param

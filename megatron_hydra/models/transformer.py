@@ -21,19 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.models.transformer_config import TransformerConfig
-from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, replicated
 from megatron_hydra.parallel.random import dropout, tp_rng
-from megatron_hydra.parallel.recompute import checkpoint
+from megatron_hydra.parallel.recompute import checkpoint, run_layers
 from megatron_hydra.parallel.state import ParallelState
+
+
+def run_stack(cfg: TransformerConfig, layers, x: torch.Tensor, training: bool) -> torch.Tensor:
+    """``layers`` (callables of x) in order, with full recomputation as ``cfg`` configures it."""
+    return run_layers(layers, x, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, training)
 
 
 def build_norm(cfg: TransformerConfig, device=None) -> nn.Module:
     kwargs = dict(eps=cfg.norm_eps, dtype=cfg.params_dtype, device=device)
     norm = nn.RMSNorm(cfg.hidden_size, **kwargs) if cfg.normalization == "rmsnorm" else nn.LayerNorm(cfg.hidden_size, **kwargs)
-    for p in norm.parameters():  # replicated over TP; under SP each rank sees only its sequence slice
-        p.tp_partition_dim = None
-        p.sequence_parallel = cfg.sequence_parallel
-    return norm
+    return replicated(norm, cfg.sequence_parallel)  # under SP each rank sees only its sequence slice
 
 
 class RotaryEmbedding(nn.Module):

@@ -30,6 +30,14 @@ def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parall
     return p
 
 
+def replicated(module: nn.Module, sequence_parallel: bool = False) -> nn.Module:
+    """Tag a plain module's parameters as held whole by every TP rank; ``sequence_parallel``:
+    each rank computes their gradient from its own sequence slice, so it is summed over TP."""
+    for p in module.parameters():
+        p.tp_partition_dim, p.sequence_parallel = None, sequence_parallel
+    return module
+
+
 def _shard(size: int, world: int, what: str) -> int:
     if size % world:
         raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {world}")
