@@ -98,7 +98,7 @@ def _save_rank(rank, world, layout, path):
 
     derived, ps, model, opt = build(layout, world)
     train_two_steps(model, opt, derived, ps)
-    save(path, model, opt, ps, VOCAB, {"step": 2})
+    save(path, model, opt, ps, VOCAB, {"step": 2, "consumed_samples": 2 * 16, "shapes": {}})
     return local_shards(model, opt, ps)
 
 

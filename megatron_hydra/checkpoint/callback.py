@@ -1,9 +1,15 @@
 """Checkpoints in a training run: when to save, what to resume from, stopping on a signal.
 
 A Lightning callback, because everything it needs exists by ``on_train_start`` (the model on its
-device, the optimizer) and the step boundary is ``on_train_batch_end``. Resuming sets the loop's
+device, the optimizer). Whether step N saves is decided in ``on_train_batch_end``; the save itself
+waits until Lightning has logged that step's metrics (the next ``on_train_batch_start``, or
+``on_train_end``) and flushes the loggers first, so a checkpoint at step N implies the metric
+history up to it is on disk: a resume after a kill continues the history without a hole. Resuming sets the loop's
 step counters directly; the data sampler was already built at the checkpoint's consumed samples
-(``start_point``), so the run continues with the batch the stopped one would have seen next.
+(``start_point``), so the run continues with the batch the stopped one would have seen next. The
+consumed-samples counter is the module's own, carried over as saved: a resumed run may use another
+``data.global_batch_size``, so it is never recomputed as step x batch. At the start rank 0 removes
+what interrupted saves and prunes left behind (``store.clean``).
 
 SIGTERM, SIGUSR1 and SIGUSR2 (the warning signals SLURM and submitit send before a time limit)
 only set a flag; at the next step boundary the ranks agree on it with a one-element all-reduce (a
@@ -67,7 +73,7 @@ def _layout(derived: Derived) -> dict:
             "vpp": derived.vpp}
 
 
-def _request_stop(signum, frame) -> None:
+def request_stop(signum, frame) -> None:
     _stop_requested.append(signum)
 
 
@@ -77,7 +83,7 @@ def install_stop_handlers() -> dict:
     exit at an arbitrary point of the step (before or after our save)."""
     _stop_requested.clear()
     try:
-        return {s: signal.signal(s, _request_stop) for s in STOP_SIGNALS}
+        return {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread: leave signals alone
         return {}
 
@@ -88,6 +94,8 @@ class CheckpointCallback(pl.Callback):
         self.dir = checkpoint_dir(cfg)
         self.last_saved: Optional[int] = None
         self.stopped_by_signal = False
+        self.stop_signal_kind = 0.0  # 1: SIGTERM, 2: a warning signal (save, then requeue)
+        self.save_due = False
         self._previous_handlers: dict = {}
 
     def _optimizer(self, trainer):
@@ -96,12 +104,16 @@ class CheckpointCallback(pl.Callback):
     # Resume ----------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._previous_handlers = install_stop_handlers()
+        if self.ps.rank == 0:
+            for leftover in store.clean(self.dir):
+                log.info("removed %s: an interrupted save or prune, not a checkpoint", leftover)
         if self.start is None:
             log.info("training starts at step 0 (checkpoints: %s)", self.dir)
             return
         path, step = self.start["path"], int(self.start["step"])
         sharded.load(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size,
                      self.cfg.checkpoint.load_optimizer)
+        pl_module.consumed_samples = int(self.start["consumed_samples"])
         scaler = getattr(pl_module, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in self.start and self.cfg.checkpoint.load_optimizer:
             scaler.load_state_dict(self.start["loss_scaler"])
@@ -137,18 +149,24 @@ class CheckpointCallback(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, every = trainer.global_step, self.cfg.checkpoint.every_n_steps
         stop = self._agree_to_stop(pl_module.device)
-        if stop or (every and step % every == 0):
-            self.save(trainer, pl_module)
-        if stop == 2 and self.cfg.checkpoint.requeue_on_signal:
-            self._requeue()
+        self.save_due = bool(stop or (every and step % every == 0))
         if stop:
+            self.stop_signal_kind = stop
             self.stopped_by_signal = True
             trainer.should_stop = True
-            log.info("stop requested by signal: saved step %d, stopping (resume with checkpoint.resume=auto)", step)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch, batch_idx) -> None:
+        if self.save_due:  # decided at the end of the previous step, whose metrics are now logged
+            self.save(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.cfg.checkpoint.save_last and self.last_saved != trainer.global_step:
+        if self.save_due or (self.cfg.checkpoint.save_last and self.last_saved != trainer.global_step):
             self.save(trainer, pl_module)
+        if self.stop_signal_kind == 2 and self.cfg.checkpoint.requeue_on_signal:
+            self._requeue()
+        if self.stopped_by_signal:
+            log.info("stop requested by signal: saved step %d, stopping (resume with checkpoint.resume=auto)",
+                     trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for sig, handler in self._previous_handlers.items():
@@ -157,10 +175,13 @@ class CheckpointCallback(pl.Callback):
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         step = trainer.global_step
+        self.save_due = False
+        for logger in trainer.loggers:  # the history up to this step reaches disk before the checkpoint
+            logger.save()
         path = store.step_dir(self.dir, step)
         meta = {
             "step": step,
-            "consumed_samples": step * self.cfg.data.global_batch_size,
+            "consumed_samples": pl_module.consumed_samples,
             "layout": _layout(self.derived),
             "dtype": str(self.derived.transformer.params_dtype),
             "shapes": logical_shapes(self.derived),

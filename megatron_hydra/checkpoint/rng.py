@@ -8,9 +8,11 @@ The states belong to a rank's place in the layout; a run with another layout kee
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
+
 import torch
 
 from megatron_hydra.parallel.random import get_rng_tracker
@@ -47,6 +49,7 @@ def restore(state: dict) -> None:
 
 
 def save(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # every rank writes its own file into one directory
     torch.save(capture(), path)
 
 

@@ -116,6 +116,8 @@ def safe_load(state_dict: dict, path: str) -> None:
         dcp.load(state_dict, storage_reader=SafeReader(path), planner=TensorOnlyPlanner())
     except CheckpointException as e:
         first = next(iter(e.failures.values()), e)
+        if isinstance(first, tuple):  # DCP keeps (exception, its stack summary) per failed rank
+            first = first[0]
         if isinstance(first, CheckpointError):
             raise first from None
         detail = (str(first).strip().splitlines() or [""])[0]

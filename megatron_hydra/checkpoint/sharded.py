@@ -128,28 +128,93 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
     return sd
 
 
-def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict) -> None:
+def _share(files: List[str]) -> List[str]:
+    """This rank's part of a checkpoint's files for hashing: each file is hashed by one rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return files[_rank()::world]
+
+
+def _first_problem(problem: Optional[str], device: torch.device) -> Optional[str]:
+    """Agree on checks each rank ran on its own share: the lowest rank's problem, or ``None``, on
+    every rank. One one-element all-reduce; the messages travel only when something is wrong."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return None
+    found: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return next(p for p in found if p is not None)
+
+
+def _nonfinite(sd: dict) -> Optional[str]:
+    """The first tensor of this rank's contribution holding NaN or inf."""
+    for key, t in sd.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return key
+    return None
+
+
+def _gather_checksums(tmp: str) -> Optional[Dict[str, dict]]:
+    """Size and SHA-256 of every file of the written directory, each hashed by one rank; the
+    whole table on rank 0 (``None`` elsewhere). Called once every rank has finished writing."""
+    mine = store.checksums(tmp, _share(store.checkpoint_files(tmp)))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+
+
+def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True) -> None:
     """Write the checkpoint ``final`` (collective: every rank calls it). ``optimizer=None`` saves
-    the model only. ``meta`` (JSON-able) is stored as ``meta.json`` by rank 0."""
+    the model only; ``rng_states=False`` leaves out the ranks' random states (a model written
+    outside a run). ``meta`` (JSON-able) is stored as ``meta.json`` by rank 0, with the checksums
+    of every file. A state holding NaN or inf is refused before anything is written: a diverged
+    run never replaces a good checkpoint, nor makes retention delete one."""
     rank = _rank()
+    sd = state_dict(model, optimizer, ps, vocab_size)
+    device = next(iter(model.parameters())).device
+    bad = _first_problem(_nonfinite(sd), device)
+    if bad is not None:
+        raise CheckpointError(f"refused to save {final}: {bad} holds NaN or inf, so nothing was written (after a "
+                              "diverged run the older checkpoints are kept: resume from the newest with a lower "
+                              "optim.lr)")
     if rank == 0:
         store.prepare(final)
     _barrier()
     tmp = store.tmp_dir(final)
-    sd = state_dict(model, optimizer, ps, vocab_size)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1))
-    rng.save(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    if rng_states:
+        rng.save(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     _barrier()
+    sums = _gather_checksums(tmp)
     if rank == 0:
-        store.write_meta(tmp, {**meta, "has_optimizer": optimizer is not None})
+        store.write_meta(tmp, {**meta, "has_optimizer": optimizer is not None, "checksums": sums})
         store.commit(final)
     _barrier()
 
 
 # Load ------------------------------------------------------------------------------------------
+def _layers(names) -> int:
+    return len({name.split(".")[1] for name in names if name.startswith("layers.")})
+
+
+def _extra_tensors(path: str, extra: List[str], saved, expected) -> CheckpointError:
+    counts = (f" ({_layers(saved)} layers there, {_layers(expected)} in this model)"
+              if _layers(saved) != _layers(expected) else "")
+    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+    return CheckpointError(f"checkpoint {path} has tensor {extra[0]}{more} that this model lacks{counts}: it was "
+                           "saved from another model; load it with the model config it was saved with")
+
+
 def check_shapes(path: str, saved: Dict[str, List[int]], expected: Dict[str, List[int]], has_optimizer: bool,
-                 load_optimizer: bool) -> None:
-    """A one-line ``CheckpointError`` for the first tensor the checkpoint lacks or has another shape."""
+                 load_optimizer: bool, whole: bool = True) -> None:
+    """A one-line ``CheckpointError`` for the first tensor the checkpoint lacks or has another
+    shape, and (``whole``: ``expected`` is the whole model, not one rank's part) for saved tensors
+    this model lacks: a checkpoint with more layers never loads into a smaller model."""
     for name, shape in expected.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model; "
@@ -157,9 +222,36 @@ def check_shapes(path: str, saved: Dict[str, List[int]], expected: Dict[str, Lis
         if list(saved[name]) != list(shape):
             raise CheckpointError(f"checkpoint {path}: tensor {name} has shape {list(saved[name])} there but "
                                   f"{list(shape)} in this model: use the model config it was saved with")
+    extra = sorted(set(saved) - set(expected)) if whole else []
+    if extra:
+        raise _extra_tensors(path, extra, saved, expected)
     if load_optimizer and not has_optimizer:
         raise CheckpointError(f"checkpoint {path} has no optimizer state: set checkpoint.load_optimizer=false to "
                               "load the model only")
+
+
+def check_consumed(path: str, saved: Dict[str, List[int]], local: Dict[str, List[int]], device: torch.device) -> None:
+    """Every saved model tensor is loaded by some rank (collective): each rank marks the names its
+    part of the model takes, and one all-reduce over a flag per name finds those nobody takes."""
+    names = sorted(saved)
+    taken = torch.tensor([float(n in local) for n in names], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(taken, op=dist.ReduceOp.MAX)
+    extra = [n for n, t in zip(names, taken.tolist()) if not t]
+    if extra:
+        taken_names = [n for n, t in zip(names, taken.tolist()) if t]
+        raise _extra_tensors(path, extra, saved, taken_names)
+
+
+def verify(path: str, device: torch.device) -> None:
+    """Check every file of the checkpoint against the size and SHA-256 that ``meta.json`` records
+    (collective: the files are shared out, each hashed once by one rank); a missing, truncated or
+    corrupted one is a one-line ``CheckpointError`` naming it, on every rank."""
+    recorded = store.read_meta(path, required={}).get("checksums") or {}
+    problem = store.check_files(path, recorded, _share(sorted(recorded)))
+    problem = _first_problem(problem, device)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 class _Loader:
@@ -200,13 +292,25 @@ class _Loader:
 
 def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_optimizer: bool = True) -> None:
     """Fill this rank's parameters (and AdamW state unless ``load_optimizer`` is false) from the
-    checkpoint at ``path``, whatever layout wrote it (collective: every rank calls it)."""
+    checkpoint at ``path``, whatever layout wrote it (collective: every rank calls it). The files
+    are verified against their checksums first, and the saved model tensors must match this
+    model's one for one (``load_optimizer=false`` skips the optimizer state, never a layer)."""
+    device = next(iter(model.parameters())).device
+    verify(path, device)
     metadata = read_metadata(path).state_dict_metadata
     saved = {k[len("model/"):]: list(v.size) for k, v in metadata.items() if k.startswith("model/")}
     has_optimizer = any(k.startswith("optim/") for k in metadata)
     local = entries(model)
     expected = {e.name: logical_shape(e, ps.tp_size, vocab_size) for e in local}
-    check_shapes(path, saved, expected, has_optimizer, load_optimizer and optimizer is not None)
+    try:  # this rank's part against the checkpoint; the ranks agree before any collective read
+        check_shapes(path, saved, expected, has_optimizer, load_optimizer and optimizer is not None, whole=False)
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    problem = _first_problem(problem, device)
+    if problem is not None:
+        raise CheckpointError(problem)
+    check_consumed(path, saved, expected, device)
     if optimizer is not None and hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()
     loader = _Loader(ps, vocab_size)

@@ -77,20 +77,23 @@ def load_model(path: str, seq_length: Optional[int] = None) -> Tuple[RunConfig, 
     return cfg, derived, model.eval()
 
 
-def save_model(path: str, model: GPTModel, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0) -> None:
-    """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``."""
+def save_model(path: str, model: GPTModel, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0,
+               consumed_samples: int = 0) -> None:
+    """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``, without
+    random states: this process's are no run's, so a run loading it starts from its own seeds."""
     from megatron_hydra.checkpoint.callback import logical_shapes
 
     meta = {
         "step": step,
-        "consumed_samples": step * cfg.data.global_batch_size,
+        "consumed_samples": consumed_samples,
         "layout": layout,
         "dtype": str(derived.transformer.params_dtype),
         "shapes": logical_shapes(derived),
         "config": OmegaConf.to_yaml(OmegaConf.structured(cfg)),
     }
     with _one_process():
-        sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta)
+        sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta,
+                     rng_states=False)
 
 
 def tokenizer_for(path: str, cfg: RunConfig):

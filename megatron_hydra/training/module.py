@@ -4,7 +4,8 @@ The batch Lightning hands in is this data-parallel rank's share of the global ba
 (``num_microbatches x micro_batch_size`` samples). It is cut into micro-batches whose gradients
 accumulate; the strategy reduces them over data-parallel ranks (overlapped with the last
 micro-batch's backward) and clips them when the optimizer steps. The logged loss is the mean over
-the whole global batch, identical for every layout.
+the whole global batch, identical for every layout. A loss or gradient norm that is NaN or inf
+stops the run (``training.guard``).
 
 With pipeline parallelism (pp > 1) ``self.model`` is a ``ModuleList`` of this rank's model chunks
 (one per virtual stage it holds, each a ``GPTModel`` keyed by logical layer names) and the
@@ -27,6 +28,7 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.training.guard import check_finite
 from megatron_hydra.training.metrics import model_flops_per_step
 from megatron_hydra.training.precision import DynamicLossScaler
 from megatron_hydra.training.schedules import lr_at
@@ -62,6 +64,9 @@ class GPTModule(pl.LightningModule):
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
         self._last_step_end = None
+        # Samples trained on so far: carried as is through checkpoints (a resumed run may use
+        # another global batch size, so it is not step x batch).
+        self.consumed_samples = 0
         # fp16 only: the loss is multiplied by the scale before backward (parallel.optimizer
         # divides it out of the grads and skips overflowing steps).
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if tcfg.params_dtype == torch.float16 else None
@@ -125,8 +130,13 @@ class GPTModule(pl.LightningModule):
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         for group in opt.param_groups:
             group["lr"] = lr
+        skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
         opt.step()
-        self._log_step(self._dp_mean(loss), lr, strategy.last_grad_norm, step)
+        loss = self._dp_mean(loss)
+        skipped = self.loss_scaler is not None and self.loss_scaler.skipped_steps > skipped_before
+        check_finite(step, loss, strategy.last_grad_norm, skipped)
+        self.consumed_samples += self.cfg.data.global_batch_size
+        self._log_step(loss, lr, strategy.last_grad_norm)
         if self.loss_scaler is not None:
             self.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
             self.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False,
@@ -144,20 +154,19 @@ class GPTModule(pl.LightningModule):
             total += loss.detach()
         return total / len(micro)
 
-    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm, step: int) -> None:
+    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm) -> None:
         # Wall time since the previous step ended: data loading, Lightning's loop and logging
         # included, so tokens/s is what the whole run achieves, not just the model's math.
         now = time.perf_counter()
         elapsed, self._last_step_end = now - self._last_step_end, now
         world = self.derived.world_size
-        consumed = (step + 1) * self.cfg.data.global_batch_size
         metrics = {
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens_per_step / elapsed,
             "tflops_per_rank": self.flops_per_step / elapsed / world / 1e12,
-            "consumed_samples": float(consumed),
+            "consumed_samples": float(self.consumed_samples),
         }
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank"),
