@@ -2,19 +2,29 @@
 
 Composes ``conf/``, types it against the schema, validates it, then hands it to the launcher,
 which runs this process as a worker (torchrun/SLURM) or spawns the local workers. User errors
-(bad config, data or checkpoint) print one line and exit with status 2.
+(bad config, data or checkpoint; also a YAML syntax error in a config file or an output directory
+that cannot be created) print one line and exit with status 2; a failed worker exits with 1; a run
+stopped at once by a second SIGTERM/SIGINT with 128 + the signal number.
+
+In a multirun (``-m``) a failed job prints one line naming its directory and the sweep goes on;
+at the end a summary line names the failed jobs and the exit status is 1. An error every job would
+meet (an unknown key, an Optuna sweep without validation) ends the sweep at once, status 2.
 """
 
+import os
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_hydra.config import register_configs
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
 register_configs()
+_jobs: List[str] = []  # run dirs of this process's multirun jobs
+_failed: List[str] = []  # ...and of those that failed
 
 
 def _check_sweep_objective(run_cfg) -> None:
@@ -29,22 +39,88 @@ def _check_sweep_objective(run_cfg) -> None:
         )
 
 
+def _multirun_job_dir() -> Optional[str]:
+    """This job's output dir when it is one job of a local multirun (a SLURM job of a sweep runs
+    in its own process: there a failure ends that job, as a single run would)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or "SUBMITIT_EXECUTOR" in os.environ:
+        return None
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg.runtime.output_dir if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
-    from megatron_hydra.launcher import WorkerFailed, run
+    from megatron_hydra.config.known_keys import check_known_keys
+    from megatron_hydra.launcher import Interrupted, WorkerFailed, run
 
+    job_dir = _multirun_job_dir()
+    if job_dir is not None:
+        _jobs.append(job_dir)
     try:
+        check_known_keys(cfg)
         run_cfg = OmegaConf.to_object(cfg)
         _check_sweep_objective(run_cfg)
-        # The final validation loss: the objective a sweeper (hydra/sweeper=optuna) minimises.
-        return run(run_cfg)
-    except WorkerFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except MegatronHydraError as e:
+    except MegatronHydraError as e:  # every job of a sweep would fail the same way: stop it here
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        # The final validation loss: the objective a sweeper (hydra/sweeper=optuna) minimises.
+        return run(run_cfg)
+    except Interrupted as e:  # the user stopped the run: in a sweep, the sweep too
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except MegatronHydraError as e:
+        if job_dir is None:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1 if isinstance(e, WorkerFailed) else 2)
+        # A failed trial, not a failed sweep. Its objective is the worst loss, inf: Optuna refuses
+        # NaN (it would end the sweep) and ranks inf last.
+        print(f"error: job {job_dir} failed: {e}", file=sys.stderr)
+        _failed.append(job_dir)
+        return float("inf")
+
+
+def _hydra_error_line(exc: BaseException) -> Optional[str]:
+    """One line for the user errors Hydra meets before ``main`` runs; None for anything else."""
+    from hydra.errors import CompactHydraException
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: YAML syntax error "
+                f"({exc.problem or exc.context}): fix the file")
+    if isinstance(exc, yaml.YAMLError):
+        return f"YAML syntax error in a config file ({str(exc).splitlines()[0]}): fix the file"
+    if isinstance(exc, CompactHydraException):
+        return " ".join(str(exc).split())
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return (f"{exc.filename}: {exc.strerror or type(exc).__name__}: Hydra cannot read the config or create the "
+                "output directory there; check the path, or set hydra.run.dir (hydra.sweep.dir with -m) to a "
+                "writable directory")
+    return None
+
+
+def cli() -> int:
+    """Run ``main`` with Hydra's own user errors (a config file that is not YAML, an output dir it
+    cannot create, an unknown config group) as one line, exit status 2. HYDRA_FULL_ERROR=1 makes
+    Hydra raise instead of printing a traceback; set by the user, it keeps every traceback."""
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as exc:  # noqa: BLE001 - sorted into user errors (one line) and the rest (raised)
+        line = None if full_error else _hydra_error_line(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    if _failed:
+        print(f"error: {len(_failed)} of {len(_jobs)} sweep jobs failed: {', '.join(_failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -10,30 +10,54 @@
 
 Config errors are raised before any process starts, and so is a run whose memory plan
 (``megatron_hydra.planning``) exceeds a device; ``mode=plan`` prints that plan and starts nothing.
+
+Process lifecycle (``megatron_hydra.lifecycle``): the run directory and ``checkpoint.dir`` are
+checked writable and locked before any worker starts; spawned workers die with this process. The
+first SIGTERM or SIGINT (Ctrl-C) is forwarded to the workers as SIGTERM, so that they save at the
+next step boundary and stop; a second one kills them at once (``Interrupted``).
 """
 
 from __future__ import annotations
 
 import csv
+import glob
 import logging
 import os
 import signal
 import sys
+import threading
 import uuid
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Iterator, List, Optional
 
 from omegaconf import OmegaConf
 
-from megatron_hydra import slurm
+from megatron_hydra import lifecycle, slurm
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
 CONFIG_FILE = "resolved_config.yaml"
+# Local CPU ranks per core beyond which a run is refused: gloo ranks time-share cores well up to a
+# handful each (the tests run 8 on 2), but hundreds only thrash and exhaust memory.
+MAX_RANKS_PER_CORE = 8
+# Errors a rank reports when a peer died or stopped first: never the root cause while another
+# rank has a different error or was killed by a signal.
+PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+             "socket timeout", "distnetworkerror", "communicator was aborted", "remote process exited")
 
 
 class WorkerFailed(MegatronHydraError):
     """A worker process failed; the message names the first failing rank and its error."""
+
+
+class Interrupted(MegatronHydraError):
+    """The run was stopped by a signal before it could save (a second SIGTERM/SIGINT, or one that
+    arrived before training started); ``exit_code`` follows the shell's 128 + signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 @dataclass(frozen=True)
@@ -86,8 +110,29 @@ def check_external_layout(cfg: RunConfig, derived: Derived, external: ExternalLa
         )
 
 
+def check_local_cpu_ranks(cfg: RunConfig, external: Optional[ExternalLaunch]) -> None:
+    """Spawning far more CPU workers than cores only thrashes (``trainer.devices=1000`` on a laptop);
+    an external launcher (torchrun, srun) decides its own placement and is not checked."""
+    if external is not None or cfg.trainer.accelerator != "cpu":
+        return
+    cores = lifecycle.cpu_cores()
+    if cfg.trainer.devices > MAX_RANKS_PER_CORE * cores:
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.devices} local CPU workers on {cores} cores (at most {MAX_RANKS_PER_CORE} "
+            f"per core, {MAX_RANKS_PER_CORE * cores} here): lower trainer.devices, or start the ranks with torchrun"
+        )
+
+
+def run_dirs(cfg: RunConfig) -> List[tuple]:
+    """The directories a run writes, with the key that sets each (for error messages)."""
+    from megatron_hydra.checkpoint.callback import checkpoint_dir
+
+    return [(cfg.run_dir, "run_dir (hydra.run.dir)"), (checkpoint_dir(cfg), "checkpoint.dir")]
+
+
 def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> None:
     """Checks that need the machine (not just the config), still before any worker starts."""
+    check_local_cpu_ranks(cfg, external)
     if cfg.trainer.accelerator == "gpu":
         import torch
 
@@ -139,27 +184,129 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=derived.world_size,
-        run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(cfg.run_dir, "workers")),
-    )
-    previous = {sig: signal.signal(sig, _forward_to_workers) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    clear_error_files(cfg.run_dir)
+    stops = _StopRequests()
+    with _environ({lifecycle.LAUNCHER_PID_ENV: str(os.getpid())}), stops.installed(), _kill_after_failure(cfg.run_dir):
+        launch = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=derived.world_size,
+            run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+            max_restarts=0, monitor_interval=0.1, shutdown_timeout=5,
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(cfg.run_dir, "workers")),
+            # The elastic agent turns the signals named here into an exception that kills the
+            # workers at once; SIGTERM and SIGINT are left to ``_StopRequests``, which lets them save.
+            signals_to_handle="SIGHUP,SIGQUIT",
+        )
+        try:
+            elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
+        except ChildFailedError as e:
+            stops.raise_if_stopped()
+            rank = root_cause_rank(cfg.run_dir, e.failures)
+            summary = failure_summary(cfg.run_dir, rank, e.failures[rank].exitcode)
+            raise WorkerFailed(f"rank {rank} failed: {summary}") from None
+
+
+@contextmanager
+def _kill_after_failure(run_dir: str, grace_s: float = 5.0) -> Iterator[None]:
+    """Once a rank has reported a failure (its ``rank<N>.error``), kill the workers still running
+    after ``grace_s``. The elastic agent would wait 30 s for them (it does not pass its
+    ``shutdown_timeout`` on when a worker fails), and a stopped (SIGSTOP) or hung rank ignores
+    the SIGTERM it sends; nothing of a failed run is worth waiting for."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if glob.glob(os.path.join(glob.escape(run_dir), "rank*.error")):
+                if not done.wait(grace_s):
+                    _forward_to_workers(signal.SIGKILL, None)
+                return
+
+    watcher = threading.Thread(target=watch, name="failure-watch", daemon=True)
+    watcher.start()
     try:
-        elastic_launch(launch, sys.executable)("-m", "megatron_hydra.training.worker", config_path)
-    except ChildFailedError as e:
-        rank = root_cause_rank(cfg.run_dir, e.failures)
-        summary = failure_summary(cfg.run_dir, rank, e.failures[rank].exitcode)
-        raise WorkerFailed(f"rank {rank} failed: {summary}") from None
+        yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        done.set()
+        watcher.join()
+
+
+@contextmanager
+def _environ(values: Dict[str, str]) -> Iterator[None]:
+    """Set environment variables (inherited by the workers) for the life of the block."""
+    previous = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _StopRequests:
+    """The launcher's side of stopping a run. SIGUSR1/SIGUSR2 go to the workers as they are (save,
+    and requeue inside SLURM). The first SIGTERM/SIGINT goes to them as SIGTERM: each saves at the
+    next step boundary and stops, and the launcher ends with status 0 once they have. A second
+    one kills them at once.
+
+    SIGTERM and SIGINT stay blocked in the spawning (main) thread while the workers start: they
+    inherit the blocked mask through exec, so a stop request that arrives while they are still
+    importing stays pending until they can act on it. A helper thread keeps them unblocked, so the
+    kernel always has a thread to deliver them to; Python then runs the handler in the main thread."""
+
+    STOP = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: List[int] = []
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        handlers = {signal.SIGUSR1: _forward_to_workers, signal.SIGUSR2: _forward_to_workers,
+                    signal.SIGTERM: self._on_stop, signal.SIGINT: self._on_stop}
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        done = threading.Event()
+        receiver = threading.Thread(target=self._receive, args=(done,), name="stop-signals", daemon=True)
+        receiver.start()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.STOP)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            done.set()
+            receiver.join()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _receive(self, done: threading.Event) -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.STOP)
+        done.wait()
+
+    def _on_stop(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.received) == 1:
+            print(f"{name}: every rank saves a checkpoint at the next step boundary and stops "
+                  f"(send {name} again to stop at once, without saving)", file=sys.stderr, flush=True)
+            _forward_to_workers(signal.SIGTERM, frame)
+        else:
+            _forward_to_workers(signal.SIGKILL, frame)
+
+    def raise_if_stopped(self) -> None:
+        """Workers failed after a stop request: say so in one line instead of blaming a rank."""
+        if not self.received:
+            return
+        name = signal.Signals(self.received[-1]).name
+        if len(self.received) > 1:
+            raise Interrupted(f"stopped at once by a second {name}: workers killed without saving (the newest "
+                              "complete checkpoint is kept; resume with checkpoint.resume=auto)", self.received[-1])
+        raise Interrupted(f"stopped by {name} before every rank could save (e.g. during start-up): no checkpoint "
+                          "written by this run", self.received[-1])
 
 
 def _forward_to_workers(signum, frame) -> None:
-    """SIGUSR1/SIGUSR2 to the launcher ask every local worker to save and stop (the workers run in their
-    own sessions, so a signal to the launcher alone would not reach them)."""
+    """Send ``signum`` to every child of this process: the local workers run in their own sessions,
+    so a signal to the launcher alone would not reach them."""
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/children") as f:
@@ -173,23 +320,47 @@ def _forward_to_workers(signum, frame) -> None:
                 pass
 
 
+def clear_error_files(run_dir: str) -> None:
+    """Error files of an earlier run in a reused directory must not be read as this run's."""
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "rank*.error")):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _first_line(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
 def root_cause_rank(run_dir: str, failures: Dict[int, object]) -> int:
-    """When one rank dies, its peers then fail in their collectives; the root cause is the rank
-    that wrote its error file first (a rank killed by a signal writes none)."""
-    written = {r: os.stat(p).st_mtime_ns for r in failures
-               if os.path.exists(p := os.path.join(run_dir, f"rank{r}.error"))}
-    return min(written, key=written.get) if written else min(failures)
+    """The rank whose failure came first. When one rank dies, its peers then fail in their
+    collectives ("connection closed by peer", a timeout), often before the agent notices the death;
+    so a rank's own error outranks a death by a signal (which writes no error file), and that
+    outranks an error that only reports a lost peer. Within a kind, the earliest error file wins."""
+    def order(rank: int):
+        path = os.path.join(run_dir, f"rank{rank}.error")
+        line = _first_line(path)
+        if line is None:
+            return (1 if failures[rank].exitcode < 0 else 3, 0, rank)
+        kind = 2 if any(p in line.lower() for p in PEER_LOSS) else 0
+        return (kind, os.stat(path).st_mtime_ns, rank)
+
+    return min(failures, key=order)
 
 
 def failure_summary(run_dir: str, rank: int, exitcode: int) -> str:
     """The one-line error a worker left in ``rank<N>.error`` (its traceback follows in the file)."""
     path = os.path.join(run_dir, f"rank{rank}.error")
-    if os.path.exists(path):
-        with open(path) as f:
-            first = f.readline().strip()
+    first = _first_line(path)
+    if first is not None:
         return f"{first} (traceback: {path})"
     if exitcode < 0:
-        return f"killed by signal {-exitcode}"
+        return f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
     return f"exit code {exitcode}"
 
 
@@ -221,7 +392,16 @@ def run(cfg: RunConfig) -> Optional[float]:
         print(plan_memory(cfg, derived).table())
         return None
     external = detect_external()
-    preflight(cfg, derived, external)
+    for path, key in run_dirs(cfg):  # every rank writes there: found now, not at the first save
+        lifecycle.check_writable(path, key)
+    # One run per directory: rank 0 holds the lock for the run (the kernel drops it when it dies).
+    lock = lifecycle.run_lock(run_dirs(cfg)) if external is None or external.rank == 0 else nullcontext()
+    with lock:
+        preflight(cfg, derived, external)
+        return _run_locked(cfg, derived, external)
+
+
+def _run_locked(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> Optional[float]:
     from megatron_hydra.training.worker import run_worker, run_worker_and_exit
 
     config_path = write_config(cfg, cfg.run_dir)

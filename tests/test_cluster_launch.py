@@ -223,7 +223,7 @@ def test_slurm_warning_signal_saves_then_requeues_once(tmp_path, env_no_launcher
         for p in procs:
             p.kill()
     assert codes == [0, 0], _logs(tmp_path)
-    saved = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
     assert len(saved) == 1 and 0 < int(saved[0].name.split("_")[1]) < 5000
     assert calls.read_text().splitlines() == ["requeue 4242"]
 

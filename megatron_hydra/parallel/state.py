@@ -10,6 +10,7 @@ The arithmetic is pure (``coordinates``, ``group_ranks``) so it is tested withou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import product
 from typing import Dict, List, Optional, Sequence
 
@@ -69,8 +70,11 @@ class ParallelState:
         return cls(sizes={a: 1 for a in AXES})
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, device_type: str = "cpu") -> "ParallelState":
-        """Create the mesh and every group. Collective: all ranks must call it together."""
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, device_type: str = "cpu",
+              timeout: Optional[timedelta] = None) -> "ParallelState":
+        """Create the mesh and every group. Collective: all ranks must call it together. Every group
+        gets ``timeout`` (default: the world group's, i.e. ``trainer.collective_timeout_s``): a
+        subgroup left at torch's default would wait 30 minutes for a stopped peer."""
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
@@ -78,7 +82,9 @@ class ParallelState:
         if pp * dp * cp * tp != world:
             raise ValueError(f"pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} != world size {world}")
         rank = dist.get_rank()
-        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+        timeout = timeout or world_timeout(device_type)
+        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES,
+                                backend_override=_mesh_backend_override(device_type, timeout))
         groups = {axis: mesh.get_group(axis) for axis in AXES}
         combined = {
             "dp_cp": group_ranks(sizes, ("dp", "cp")),  # gradient reduce
@@ -87,7 +93,7 @@ class ParallelState:
         }
         for name, all_groups in combined.items():
             for members in all_groups:  # every rank creates every group, in the same order
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups[name] = group
         return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups)
@@ -140,6 +146,30 @@ class ParallelState:
     def __repr__(self) -> str:
         coords = coordinates(self.rank, self.sizes)
         return "ParallelState(" + ", ".join(f"{a}={coords[a]}/{self.sizes[a]}" for a in AXES) + ")"
+
+
+def world_timeout(device_type: str) -> Optional[timedelta]:
+    """The timeout the world group was created with (``init_process_group(timeout=...)``)."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _mesh_backend_override(device_type: str, timeout: Optional[timedelta]) -> Optional[dict]:
+    """DeviceMesh creates its per-axis groups itself, with torch's default timeout unless the
+    backend options carry one."""
+    if timeout is None:
+        return None
+    if device_type == "cuda" and hasattr(dist, "ProcessGroupNCCL"):
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    elif device_type == "cpu" and hasattr(dist, "ProcessGroupGloo"):
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    else:
+        return None
+    options._timeout = timeout
+    return {axis: (backend, options) for axis in AXES}
 
 
 def device_for(accelerator: str, local_rank: int) -> torch.device:

@@ -3,20 +3,30 @@
 ``python -m megatron_hydra.training.worker CONFIG`` is what the local launcher spawns per rank;
 torchrun/SLURM workers and single-process runs call ``run_worker`` directly. A worker that fails
 writes ``rank<N>.error`` into the run dir (one line, then the traceback) so the launcher can name
-the error without a wall of tracebacks.
+the error without a wall of tracebacks; a stale one from an earlier run in the same directory is
+removed when the rank starts.
+
+A spawned worker dies with its launcher (``lifecycle.die_with_parent``). A SIGTERM that arrives
+before training has started (the launcher spawns workers with it blocked, so it waits even through
+``import torch``) is kept and delivered again once the checkpoint callback owns the signal: an
+early stop request still ends in a save rather than in a killed rank.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megatron_hydra import lifecycle
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import MegatronHydraError
 
@@ -38,7 +48,7 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
 
     if cfg.trainer.accelerator == "cpu":
         # The cores this process may run on (cgroups, SLURM and taskset shrink them), shared by the local ranks.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = lifecycle.cpu_cores()
         torch.set_num_threads(cfg.trainer.num_threads or max(1, cores // local_world_size))
     init_process_group(cfg)
     try:
@@ -49,8 +59,25 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
             dist.broadcast_object_list(shared, src=0)
             cfg.run_dir = shared[0]
         train(cfg, derived, local_rank)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # With peers, leave the group as it is: destroying it waits on ranks that may be dead or
+        # stopped, which kept a failed rank from exiting (and its launcher from noticing) for long.
+        if dist.get_world_size() == 1:
+            dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+
+
+def error_file(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.error")
+
+
+def _clear_error_file(run_dir: str, rank: int) -> None:
+    """An error file left by an earlier run in this directory must not be read as this run's."""
+    try:
+        os.remove(error_file(run_dir, rank))
+    except FileNotFoundError:
+        pass
 
 
 def _report(run_dir: str, rank: int, exc: BaseException) -> None:
@@ -59,7 +86,7 @@ def _report(run_dir: str, rank: int, exc: BaseException) -> None:
     else:
         line = f"{type(exc).__name__}: {exc}".splitlines()[0]
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, f"rank{rank}.error"), "w") as f:
+    with open(error_file(run_dir, rank), "w") as f:
         f.write(line + "\n")
         f.write("".join(traceback.format_exception(exc)))
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
@@ -70,6 +97,7 @@ def run_worker_and_exit(cfg: RunConfig, derived: Derived, rank: int, local_rank:
     with ``os._exit``: interpreter teardown after gloo point-to-point traffic can abort (SIGABRT)
     after correct results, which a launcher would count as a failed rank."""
     code = 0
+    _clear_error_file(cfg.run_dir, rank)
     try:
         run_worker(cfg, derived, local_rank, local_world_size)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher as one line
@@ -80,8 +108,31 @@ def run_worker_and_exit(cfg: RunConfig, derived: Derived, rank: int, local_rank:
     os._exit(code)
 
 
+def _hold_early_sigterm() -> None:
+    """Until training starts, SIGTERM (a stop request the launcher forwards) would kill this rank
+    mid-startup. Keep it instead, and send it again once the checkpoint callback has installed its
+    own handler, which saves at the next step boundary and stops."""
+    from megatron_hydra.checkpoint import callback
+
+    held = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: held.set())
+
+    def redeliver() -> None:
+        held.wait()
+        while signal.getsignal(signal.SIGTERM) is not callback.request_stop:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=redeliver, name="sigterm-redelivery", daemon=True).start()
+    # The launcher spawned this process with SIGTERM/SIGINT blocked: one sent meanwhile is pending.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
 def main(argv=None) -> None:
     """Entry of a worker spawned by the local launcher: ``python -m megatron_hydra.training.worker CONFIG``."""
+    parent = os.environ.get(lifecycle.LAUNCHER_PID_ENV)
+    lifecycle.die_with_parent(int(parent) if parent else None)
+    _hold_early_sigterm()
     from megatron_hydra.launcher import read_config
 
     argv = sys.argv[1:] if argv is None else argv

@@ -1,0 +1,158 @@
+"""Launcher refusals and failure reports (issue: trust): unknown keys, bad YAML, unwritable or
+busy directories, too many local workers, blaming the right rank, sweeps that outlive a failed job."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import SMALL, compose_config, launch_cmd, read_metrics
+from megatron_hydra.config import derive
+from megatron_hydra.errors import ConfigError
+
+
+def _run(args, env, timeout=180):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _one_error_line(out) -> str:
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
+    return lines[0]
+
+
+def test_unknown_override_key_is_refused(tmp_path, env_no_launcher):
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONF
+    from megatron_hydra.config import register_configs
+    from megatron_hydra.config.known_keys import check_known_keys
+
+    register_configs()
+    out = _run(launch_cmd("+unknown.key=1", "mode=plan", f"hydra.run.dir={tmp_path}"), env_no_launcher)
+    assert out.returncode == 2
+    assert "'unknown.key'" in _one_error_line(out)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        for key, known in (("+trainer.max_step=5", False), ("+data.tokenizer.vocab=1", False),
+                           ("cluster=h200_x1024", True)):
+            cfg = compose(config_name="config", overrides=["run_dir=x", key])
+            if known:
+                check_known_keys(cfg)
+            else:
+                with pytest.raises(ConfigError, match=repr(key[1:].split("=")[0])):
+                    check_known_keys(cfg)
+
+
+def test_yaml_syntax_error_in_own_config_is_one_line(tmp_path, env_no_launcher):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  max_steps: [1, 2\n")
+    out = _run(launch_cmd("--config-dir", str(conf), "--config-name", "mine", "mode=plan",
+                          f"hydra.run.dir={tmp_path / 'run'}"), env_no_launcher)
+    assert out.returncode == 2
+    line = _one_error_line(out)
+    assert str(conf / "mine.yaml") in line and "line 6" in line
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path, env_no_launcher):
+    # As root no permission bit stops a write: a path through a regular file is unwritable for anyone.
+    (tmp_path / "afile").write_text("")
+    out = _run(launch_cmd(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"),
+               env_no_launcher)
+    assert out.returncode == 2
+    assert "hydra.run.dir" in _one_error_line(out)
+
+
+def test_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
+    from megatron_hydra.launcher import run
+
+    (tmp_path / "afile").write_text("")
+    cfg = compose_config([*SMALL, "trainer.max_steps=2", f"checkpoint.dir={tmp_path / 'afile' / 'ck'}"],
+                         str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="checkpoint.dir=.*not a writable directory"):
+        run(cfg)
+    assert not (tmp_path / "run" / "csv").exists()  # refused before any step was trained
+
+
+def test_more_local_cpu_workers_than_cores_allow_is_refused():
+    from megatron_hydra.launcher import preflight
+
+    cfg = compose_config([*SMALL, "trainer.devices=1000", "data.micro_batch_size=1", "data.global_batch_size=1000"])
+    with pytest.raises(ConfigError, match="trainer.devices=1000 local CPU workers"):
+        preflight(cfg, derive(cfg), external=None)
+    ok = compose_config([*SMALL, "trainer.devices=8", "data.global_batch_size=16"])  # what the test suite itself runs on 2 cores
+    preflight(ok, derive(ok), external=None)
+
+
+def test_second_run_into_a_directory_in_use_is_refused(tmp_path, env_no_launcher):
+    from megatron_hydra.launcher import run
+
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(launch_cmd(*SMALL, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_no_launcher)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(ConfigError, match="in use by another run"):
+            run(compose_config([*SMALL, "trainer.max_steps=2"], str(run_dir)))
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_blame_goes_to_the_killed_rank_not_to_its_peer(tmp_path):
+    from megatron_hydra.launcher import failure_summary, root_cause_rank
+
+    # Rank 0 was SIGKILLed (no error file); rank 1 then lost its peer and wrote an error file.
+    (tmp_path / "rank1.error").write_text("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1\n")
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGKILL), 1: SimpleNamespace(exitcode=1)}
+    assert root_cause_rank(str(tmp_path), failures) == 0
+    assert "killed by signal 9" in failure_summary(str(tmp_path), 0, -9)
+    # A rank's own error is the cause even when its peer's report of the lost connection is older.
+    (tmp_path / "rank0.error").write_text("ValueError: bad batch\n")
+    failures[0] = SimpleNamespace(exitcode=1)
+    assert root_cause_rank(str(tmp_path), failures) == 0
+
+
+def test_stale_error_files_of_an_earlier_run_are_not_blamed(tmp_path, env_no_launcher):
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch.distributed as dist\n"
+        "    _init = dist.init_process_group\n"
+        "    def _boom(*a, **k):\n"
+        "        _init(*a, **k)\n"
+        "        raise RuntimeError('injected failure')\n"
+        "    dist.init_process_group = _boom\n"
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for rank in (0, 1, 3):  # left by an earlier 4-rank run in this directory
+        (run_dir / f"rank{rank}.error").write_text("ValueError: EARLIER-RUN-MARKER\n")
+    out = _run(launch_cmd("trainer.devices=2", *SMALL, f"hydra.run.dir={run_dir}"),
+               dict(env_no_launcher, PYTHONPATH=str(inject)))
+    assert out.returncode == 1
+    assert "rank 1 failed: RuntimeError: injected failure" in out.stderr
+    assert "EARLIER-RUN-MARKER" not in out.stderr and not (run_dir / "rank3.error").exists()
+
+
+def test_failed_multirun_job_is_recorded_and_the_sweep_goes_on(tmp_path, env_no_launcher):
+    # Job 0 is a user error (7 heads do not divide hidden size 64); job 1 must still run.
+    out = _run(launch_cmd("-m", *SMALL, "trainer.max_steps=2", "model.num_attention_heads=7,4",
+                          f"hydra.sweep.dir={tmp_path}"), env_no_launcher)
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, out.stderr[-3000:]
+    assert errors[0].startswith(f"error: job {tmp_path / '0'} failed: ") and "num_attention_heads" in errors[0]
+    assert errors[1] == f"error: 1 of 2 sweep jobs failed: {tmp_path / '0'}"
+    assert "Traceback" not in out.stderr
+    assert len(read_metrics(Path(tmp_path) / "1")) == 2
