@@ -236,13 +236,15 @@ def test_bad_arguments(models, tmp_path, capsys):
 def test_export_refuses_a_model_without_hf_counterpart(tmp_path, capsys):
     from megatron_hydra.checkpoint import standalone
     from megatron_hydra.models.gpt import GPTModel
+    from megatron_hydra.models.init import init_weights
     from megatron_hydra.parallel.state import ParallelState
 
     cfg = compose_config(["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
                           "model.vocab_size=50", "model.position_embedding=rope"])
     cfg, derived = standalone.single_process(cfg)
-    standalone.save_model(str(tmp_path / "ckpt"), GPTModel(derived.transformer, ParallelState.single()), cfg, derived,
-                          layout={"world": 1})
+    model = GPTModel(derived.transformer, ParallelState.single())
+    init_weights(model, derived.transformer, cfg.seed, 0, 1)  # saves refuse non-finite weights
+    standalone.save_model(str(tmp_path / "ckpt"), model, cfg, derived, layout={"world": 1})
     err = _error_line(["to_hf", f"input={tmp_path / 'ckpt'}", f"output={tmp_path / 'hf'}"], capsys)
     assert "no Hugging Face counterpart" in err
 

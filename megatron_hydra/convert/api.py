@@ -70,9 +70,10 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     """Import the Hugging Face model directory ``input`` into a checkpoint at ``output``;
     returns the command that fine-tunes it."""
     hf = hf_files.read_config(input)
-    kind = hf.get("model_type")
+    kind = hf.value("model_type", str, None)
     if kind not in ARCHS:
-        raise ConfigError(f"input={input}: model_type={kind!r} ({', '.join(hf.get('architectures') or [])}) is not "
+        names = ", ".join(map(str, hf.value("architectures", list, [])))
+        raise ConfigError(f"input={input}: model_type={kind!r} ({names}) is not "
                           f"supported: supported are {', '.join(ARCHS)}")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
@@ -106,8 +107,6 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
 
 def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer: str) -> None:
     """Beside the tensors: the model config for ``launch.py --config-dir`` and the tokenizer."""
-    # The writing process's random state is no run's: loads start from their own seeds.
-    shutil.rmtree(os.path.join(output, "rng"), ignore_errors=True)
     os.makedirs(os.path.join(output, "model"), exist_ok=True)
     with open(os.path.join(output, "model", f"{cfg.model.name}.yaml"), "w") as f:
         f.write(f"# Imported from the Hugging Face {kind} model {os.path.basename(os.path.normpath(input))} "

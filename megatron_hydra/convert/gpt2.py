@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.models.transformer_config import TransformerConfig
 
@@ -24,21 +24,22 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu"
 IGNORED = (".attn.bias", ".attn.masked_bias")
 
 
-def model_config(hf: dict, name: str) -> ModelConfig:
-    act = hf.get("activation_function", "gelu_new")
+def model_config(hf: HFConfig, name: str) -> ModelConfig:
+    act = hf.value("activation_function", str, "gelu_new")
     if act not in ACTIVATIONS:
         raise ConfigError(f"GPT-2 activation_function={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False or hf.get("add_cross_attention"):
+    if (hf.value("scale_attn_by_inverse_layer_idx", bool, False) or not hf.value("scale_attn_weights", bool, True)
+            or hf.value("add_cross_attention", bool, False)):
         raise ConfigError("GPT-2 variants with scale_attn_by_inverse_layer_idx, scale_attn_weights=false or "
                           "cross-attention are not supported")
-    hidden, positions = hf["n_embd"], hf["n_positions"]
+    hidden, positions = hf.value("n_embd", int), hf.value("n_positions", int)
     return ModelConfig(
-        name=name, num_layers=hf["n_layer"], hidden_size=hidden, num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner") or 4 * hidden, seq_length=positions, max_position_embeddings=positions,
-        vocab_size=hf["vocab_size"], position_embedding="learned", normalization="layernorm",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=ACTIVATIONS[act], add_bias_linear=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True), hidden_dropout=hf.get("resid_pdrop", 0.1),
-        attention_dropout=hf.get("attn_pdrop", 0.1), init_std=hf.get("initializer_range", 0.02),
+        name=name, num_layers=hf.value("n_layer", int), hidden_size=hidden, num_attention_heads=hf.value("n_head", int),
+        ffn_hidden_size=hf.value("n_inner", int, 4 * hidden), seq_length=positions, max_position_embeddings=positions,
+        vocab_size=hf.value("vocab_size", int), position_embedding="learned", normalization="layernorm",
+        norm_eps=hf.value("layer_norm_epsilon", float, 1e-5), activation=ACTIVATIONS[act], add_bias_linear=True,
+        tie_embeddings=hf.value("tie_word_embeddings", bool, True), hidden_dropout=hf.value("resid_pdrop", float, 0.1),
+        attention_dropout=hf.value("attn_pdrop", float, 0.1), init_std=hf.value("initializer_range", float, 0.02),
     )
 
 

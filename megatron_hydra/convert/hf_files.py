@@ -4,6 +4,12 @@ Weights are read from ``model.safetensors``, a sharded ``model.safetensors.index
 older ``pytorch_model.bin`` (and its index), loaded with ``weights_only`` so that a file can never
 run code. They are written as safetensors, split into shards with an index once a model passes
 ``max_shard_bytes``, which is what ``from_pretrained`` expects of a large model.
+
+The files come from anyone, so every problem with them is one ``CheckpointError`` naming the file:
+JSON that does not parse or has the wrong shape, a truncated or damaged weights file, and an index
+that names a file outside the model directory (``../../etc/passwd``), which is refused rather than
+read. The confinement is by name, not by resolved link, so a Hugging Face cache snapshot, whose
+files are links into a sibling ``blobs`` folder, still loads.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Dict, List
 
 import torch
 
+from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -22,37 +29,66 @@ PT_BIN, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
-def read_config(directory: str) -> dict:
+def _read_json(path: str) -> dict:
+    """The JSON object in ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path} is not valid JSON ({e}); copy the file again") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object; copy the file again")
+    return value
+
+
+def read_config(directory: str) -> HFConfig:
+    """``config.json`` of the model directory, its values checked as they are read."""
     path = os.path.join(directory, CONFIG)
     if not os.path.isdir(directory):
         raise CheckpointError(f"input={directory}: no such directory; give a local Hugging Face model directory")
     if not os.path.isfile(path):
         raise CheckpointError(f"input={directory} has no {CONFIG}: give a Hugging Face model directory "
                               "(as written by save_pretrained)")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    return HFConfig(_read_json(path), path)
 
 
 def _load_file(path: str) -> Dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors' SafetensorError, torch's RuntimeError/UnpicklingError/EOFError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable weights file ({why}): it is truncated, damaged or not "
+                              "weights; copy it again") from None
+
+
+def inside(directory: str, name: object, source: str) -> str:
+    """``directory/name`` for a file name taken from ``source``; refused unless it stays inside
+    ``directory`` (by name: no absolute path, no ``..`` out of it)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{source}: file name {name!r} is not a string; copy the file again")
+    path = os.path.normpath(os.path.join(directory, name))
+    rel = os.path.relpath(path, os.path.normpath(directory))
+    if os.path.isabs(name) or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise CheckpointError(f"{source} names {name!r}, which is outside {directory}: refused "
+                              "(a model's files are read from its own directory only)")
+    return path
 
 
 def _shard_files(directory: str, index_name: str) -> List[str]:
-    with open(os.path.join(directory, index_name)) as f:
-        weight_map = json.load(f)["weight_map"]
-    files = sorted(set(weight_map.values()))
-    for name in files:
-        if not os.path.isfile(os.path.join(directory, name)):
-            raise CheckpointError(f"{os.path.join(directory, index_name)} names {name}, which is missing: "
+    index = os.path.join(directory, index_name)
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no \"weight_map\" object; copy the file again")
+    files = sorted({inside(directory, name, index) for name in weight_map.values()})
+    for path in files:
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{index} names {os.path.relpath(path, directory)}, which is missing: "
                                   "copy the whole model directory")
-    return [os.path.join(directory, name) for name in files]
+    return files
 
 
 def read_weights(directory: str) -> Dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Dict
 import torch
 
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.models.transformer_config import TransformerConfig
 
@@ -27,33 +27,35 @@ IGNORED = ("rotary_emb.inv_freq",)
 MAX_DEFAULT_SEQ_LENGTH = 4096
 
 
-def _rope_theta(hf: dict) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+def _rope_theta(hf: HFConfig) -> float:
+    params = HFConfig(hf.value("rope_parameters", dict, {}), hf.path)
+    scaling = HFConfig(hf.value("rope_scaling", dict, {}), hf.path)
+    kind = params.value("rope_type", str, scaling.value("rope_type", str, scaling.value("type", str, "default")))
     if kind != "default":
         raise ConfigError(f"Llama rope_type={kind!r} (rope scaling) is not supported: only plain RoPE is")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return params.value("rope_theta", float, hf.value("rope_theta", float, 10000.0))
 
 
-def model_config(hf: dict, name: str) -> ModelConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"Llama hidden_act={hf['hidden_act']!r} is not supported: only silu (SwiGLU) is")
-    bias = bool(hf.get("attention_bias", False))
-    if bias != bool(hf.get("mlp_bias", False)):
+def model_config(hf: HFConfig, name: str) -> ModelConfig:
+    act = hf.value("hidden_act", str, "silu")
+    if act != "silu":
+        raise ConfigError(f"Llama hidden_act={act!r} is not supported: only silu (SwiGLU) is")
+    bias = hf.value("attention_bias", bool, False)
+    if bias != hf.value("mlp_bias", bool, False):
         raise ConfigError("Llama with attention_bias != mlp_bias is not supported: our model has biases on all "
                           "linear layers or on none")
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    positions = hf.get("max_position_embeddings", 2048)
+    heads, hidden = hf.value("num_attention_heads", int), hf.value("hidden_size", int)
+    positions = hf.value("max_position_embeddings", int, 2048)
     return ModelConfig(
-        name=name, num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim") or hidden // heads, seq_length=min(positions, MAX_DEFAULT_SEQ_LENGTH),
-        max_position_embeddings=positions, vocab_size=hf["vocab_size"], position_embedding="rope",
-        rope_theta=_rope_theta(hf), normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation="swiglu", add_bias_linear=bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_std=hf.get("initializer_range", 0.02),
+        name=name, num_layers=hf.value("num_hidden_layers", int), hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=hf.value("num_key_value_heads", int, heads),
+        ffn_hidden_size=hf.value("intermediate_size", int), kv_channels=hf.value("head_dim", int, hidden // max(heads, 1)),
+        seq_length=min(positions, MAX_DEFAULT_SEQ_LENGTH),
+        max_position_embeddings=positions, vocab_size=hf.value("vocab_size", int), position_embedding="rope",
+        rope_theta=_rope_theta(hf), normalization="rmsnorm", norm_eps=hf.value("rms_norm_eps", float, 1e-6),
+        activation="swiglu", add_bias_linear=bias, tie_embeddings=hf.value("tie_word_embeddings", bool, False),
+        hidden_dropout=0.0, attention_dropout=hf.value("attention_dropout", float, 0.0),
+        init_std=hf.value("initializer_range", float, 0.02),
     )
 
 

@@ -9,6 +9,7 @@ they are exact inverses (pure reshapes and concatenations).
 
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -32,6 +33,37 @@ def split_qkv(qkv: torch.Tensor, cfg: TransformerConfig) -> Tuple[torch.Tensor, 
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(g, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+          list: "a list"}
+
+
+class HFConfig(dict):
+    """A ``config.json`` whose values are checked where they are read: a missing key or a value of
+    the wrong type is one ``CheckpointError`` naming the file and the key, not a ``KeyError`` or a
+    ``TypeError`` deep in model building."""
+
+    def __init__(self, values: dict, path: str):
+        super().__init__(values)
+        self.path = path
+
+    def value(self, key: str, kind: type, default=_REQUIRED):
+        """``self[key]`` if it is a ``kind``; ``default`` when it is absent or null (as Hugging Face
+        writes an unset optional value), and an error when there is no default."""
+        v = self.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.path} has no {key!r}, which a {self.get('model_type')} config needs: "
+                                      "the file is incomplete; copy it again")
+            return default
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+            raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} should be {_KINDS[kind]}: fix the value "
+                                  "or copy the file again")
+        return v
 
 
 class HFWeights:

@@ -58,7 +58,8 @@ class PreprocessConfig:
     json_keys: List[str] = field(default_factory=lambda: ["text"])
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     workers: int = 1
-    # A jsonl line that is not a JSON object with a string under every key: stop | skip.
+    # A line that is not UTF-8, or a jsonl line that is not a JSON object with a string under
+    # every key: stop (error naming file:line) | skip (warn, count, leave the line out).
     on_bad_line: str = "stop"
     append_eod: bool = True
     # One sequence per sentence, documents marked in the index (Megatron's --split-sentences): the
@@ -86,39 +87,62 @@ def find_inputs(path: str) -> List[str]:
     return files
 
 
-# An item is (file index, line number, is_jsonl, payload bytes, ends its document).
-Item = Tuple[int, int, bool, bytes, bool]
+# An item is (file index, line number, is_jsonl, payload bytes, ends its document, why the line
+# is unusable: "" for a good one). The reader marks lines that are not UTF-8 as bad items rather
+# than raising: they reach the main process in input order, through the same path as the
+# workers' bad lines (``on_bad_line``), whichever thread or process read them.
+Item = Tuple[int, int, bool, bytes, bool, str]
 
 
 def read_items(files: List[str], chunk_bytes: int) -> Iterator[Item]:
     for fi, path in enumerate(files):
         with open(path, "rb") as f:
             if path.endswith(".jsonl"):
-                for line_no, line in enumerate(f, 1):
-                    if line.strip():
-                        yield fi, line_no, True, line, True
+                for line_no, line, why in _utf8_lines(f):
+                    if why or line.strip():
+                        yield fi, line_no, True, line, True, why
             else:
-                yield from _text_pieces(fi, f, chunk_bytes)
+                yield from _text_pieces(fi, _utf8_lines(f), chunk_bytes)
 
 
-def _text_pieces(fi: int, f, chunk_bytes: int) -> Iterator[Item]:
-    """A text file as line-aligned pieces of about ``chunk_bytes``; the last one ends the document."""
+def _utf8_lines(f) -> Iterator[Tuple[int, bytes, str]]:
+    """``(line number, line, why)`` for every line; ``why`` locates a line that is not UTF-8
+    (decoding it with replacement characters would silently change the corpus)."""
+    offset = 0
+    for line_no, line in enumerate(f, 1):
+        why = ""
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            why = f"not UTF-8 text (byte {line[e.start]:#04x} at byte offset {offset + e.start} of the file)"
+        yield line_no, line, why
+        offset += len(line)
+
+
+def _text_pieces(fi: int, lines: Iterator[Tuple[int, bytes, str]], chunk_bytes: int) -> Iterator[Item]:
+    """A text file as line-aligned pieces of about ``chunk_bytes``; the last one ends the document.
+    A line that is not UTF-8 becomes a bad item of its own, left out of the pieces."""
     pending: Optional[Tuple[int, bytes]] = None
     buf: List[bytes] = []
     size, start = 0, 1
-    for line_no, line in enumerate(f, 1):
+    for line_no, line, why in lines:
+        if why:
+            yield fi, line_no, False, line, False, why
+            continue
+        if not buf:
+            start = line_no
         buf.append(line)
         size += len(line)
         if size >= chunk_bytes:
             if pending:
-                yield fi, pending[0], False, pending[1], False
-            pending, buf, size, start = (start, b"".join(buf)), [], 0, line_no + 1
+                yield fi, pending[0], False, pending[1], False, ""
+            pending, buf, size = (start, b"".join(buf)), [], 0
     if buf:
         if pending:
-            yield fi, pending[0], False, pending[1], False
+            yield fi, pending[0], False, pending[1], False, ""
         pending = (start, b"".join(buf))
     if pending:
-        yield fi, pending[0], False, pending[1], True
+        yield fi, pending[0], False, pending[1], True, ""
 
 
 def batches(items: Iterator[Item], chunk_bytes: int, max_items: int = 4096) -> Iterator[List[Item]]:
@@ -133,11 +157,17 @@ def batches(items: Iterator[Item], chunk_bytes: int, max_items: int = 4096) -> I
         yield batch
 
 
-def iter_texts(files: List[str], keys: List[str], chunk_bytes: int) -> Iterator[str]:
-    """Every text of the input under ``keys``, bad lines silently skipped (for BPE training)."""
-    for _, _, is_json, payload, _ in read_items(files, chunk_bytes):
+def iter_texts(files: List[str], keys: List[str], chunk_bytes: int, on_bad_line: str = "skip") -> Iterator[str]:
+    """Every text of the input under ``keys`` (for BPE training). Bad lines are skipped: the
+    conversion reports them, but with ``on_bad_line=stop`` a line that is not UTF-8 stops here,
+    before the training."""
+    for fi, line_no, is_json, payload, _, why in read_items(files, chunk_bytes):
+        if why:
+            if on_bad_line == "stop":
+                _bad_line(on_bad_line, files[fi], line_no, why, 1)
+            continue
         if not is_json:
-            yield payload.decode("utf-8", errors="replace")
+            yield payload.decode("utf-8")
             continue
         try:
             obj = json.loads(payload)
@@ -172,8 +202,10 @@ def split_sentences(text: str) -> List[str]:
 
 def _parse(item: Item, keys: List[str]) -> Tuple[Optional[List[str]], str]:
     """(texts per key, "") or (None, why the line is unusable)."""
+    if item[5]:
+        return None, item[5]
     if not item[2]:
-        return [item[3].decode("utf-8", errors="replace")], ""
+        return [item[3].decode("utf-8")], ""
     try:
         obj = json.loads(item[3])
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
@@ -202,7 +234,7 @@ def encode_batch(batch: List[Item]):
         encoded.append([[next(flat) for _ in ps] for ps in split])
     out, g = [], 0
     for item, (texts, why) in zip(batch, parsed):
-        fi, line_no, is_json, _, ends_doc = item
+        fi, line_no, is_json, _, ends_doc, _ = item
         if texts is None:
             out.append((fi, line_no, None, ends_doc, why))
             continue
@@ -242,18 +274,22 @@ def _bounded_imap(pool, fn, source, max_pending: int):
 
 # ----------------------------------------------------------------------------- main
 
-def _prepare_tokenizer(cfg: PreprocessConfig, files: List[str]) -> TokenizerConfig:
-    """The tokenizer as the workers should load it; for ``bpe``, trained on the input first."""
+def _prepare_tokenizer(cfg: PreprocessConfig, files: List[str],
+                       tmp: str) -> Tuple[TokenizerConfig, List[Tuple[str, str]]]:
+    """The tokenizer as the workers should load it, and the renames that publish it. For ``bpe``
+    it is trained on the input first and saved under a temporary name (suffix ``tmp``): it
+    replaces an older tokenizer only together with the corpus it tokenized."""
     tok = cfg.tokenizer
     if tok.type != "bpe" or (tok.path and os.path.isfile(os.path.expanduser(tok.path))):
         build_tokenizer(tok)  # fail here, once, on a bad path rather than in every worker
-        return tok
+        return tok, []
     path = os.path.expanduser(tok.path) if tok.path else f"{cfg.output_prefix}_tokenizer.json"
     t0 = time.time()
-    train_bpe(iter_texts(files, list(cfg.json_keys), cfg.chunk_bytes), tok.vocab_size or DEFAULT_BPE_VOCAB, path)
+    texts = iter_texts(files, list(cfg.json_keys), cfg.chunk_bytes, cfg.on_bad_line)
+    train_bpe(texts, tok.vocab_size or DEFAULT_BPE_VOCAB, path + tmp)
     _log(cfg, f"trained a byte-level BPE ({tok.vocab_size or DEFAULT_BPE_VOCAB} entries) in "
               f"{time.time() - t0:.1f} s -> {path}")
-    return TokenizerConfig(type="hf", path=path)
+    return TokenizerConfig(type="hf", path=path + tmp), [(path + tmp, path)]
 
 
 def _log(cfg: PreprocessConfig, msg: str) -> None:
@@ -271,24 +307,31 @@ def preprocess(cfg: PreprocessConfig) -> Dict[str, str]:
     keys = list(cfg.json_keys)
     if len(keys) > 1 and any(f.endswith(".txt") for f in files):
         raise ConfigError(f"json_keys={keys}: .txt inputs have a single text field; give one key")
-    tok_cfg = _prepare_tokenizer(cfg, files)
-    dtype = np.dtype(indexed.token_dtype(build_tokenizer(tok_cfg).vocab_size))
-    init = (tok_cfg, keys, dtype.str, cfg.append_eod, cfg.workers > 1, cfg.split_sentences)
-    prefixes = {k: f"{cfg.output_prefix}_{k}_document" for k in keys}
-    writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
-    total = sum(os.path.getsize(f) for f in files)
+    tmp = f".tmp{os.getpid()}"
+    tok_cfg, renames = _prepare_tokenizer(cfg, files, tmp)
+    writers: Dict[str, indexed.IndexedDatasetWriter] = {}
+    # Every output is written under a temporary name and renamed only when all succeeded, so a
+    # failed run leaves the previous tokenizer and corpus as they were, matching each other.
     try:
-        stats = _convert(cfg, files, keys, writers, init, total)
+        dtype = np.dtype(indexed.token_dtype(build_tokenizer(tok_cfg).vocab_size))
+        init = (tok_cfg, keys, dtype.str, cfg.append_eod, cfg.workers > 1, cfg.split_sentences)
+        prefixes = {k: f"{cfg.output_prefix}_{k}_document" for k in keys}
+        writers.update((k, indexed.IndexedDatasetWriter(p, dtype)) for k, p in prefixes.items())
+        stats = _convert(cfg, files, keys, writers, init, sum(os.path.getsize(f) for f in files))
         for k, w in writers.items():
             if w.num_documents == 0:
                 raise DataError(f"{cfg.input}: no documents with text under key {k!r} "
                                 f"({stats['bad']} unusable lines): the corpus is empty")
+        renames = [r for w in writers.values() for r in w.finish()] + renames
     except BaseException:
         for w in writers.values():
             w.discard()
+        for temporary, _ in renames:
+            if os.path.exists(temporary):
+                os.remove(temporary)
         raise
-    for w in writers.values():
-        w.finalize()
+    for temporary, final in renames:  # the tokenizer last
+        os.replace(temporary, final)
     mb, secs = stats["bytes"] / 1e6, max(stats["seconds"], 1e-9)
     for k, w in writers.items():
         _log(cfg, f"{k}: {w.num_documents} documents, {w.num_tokens} tokens -> {prefixes[k]}.bin/.idx")
@@ -317,7 +360,7 @@ def _convert(cfg, files, keys, writers, init, total) -> dict:
             for fi, line_no, arrays, ends_doc, why in out:
                 if arrays is None:
                     stats["bad"] += 1
-                    _bad_line(cfg, files[fi], line_no, why, stats["bad"])
+                    _bad_line(cfg.on_bad_line, files[fi], line_no, why, stats["bad"])
                     continue
                 for k, seqs in zip(keys, arrays):
                     for arr in seqs:
@@ -337,8 +380,8 @@ def _convert(cfg, files, keys, writers, init, total) -> dict:
     return stats
 
 
-def _bad_line(cfg: PreprocessConfig, path: str, line_no: int, why: str, count: int) -> None:
-    if cfg.on_bad_line == "stop":
+def _bad_line(on_bad_line: str, path: str, line_no: int, why: str, count: int) -> None:
+    if on_bad_line == "stop":
         raise DataError(f"{path}:{line_no}: {why}; fix the line or pass on_bad_line=skip")
     if count <= 10:
         print(f"warning: {path}:{line_no}: skipped: {why}", file=sys.stderr)

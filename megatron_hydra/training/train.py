@@ -11,7 +11,6 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
-from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from megatron_hydra.checkpoint.callback import CheckpointCallback, start_point
@@ -21,6 +20,7 @@ from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState, device_for
+from megatron_hydra.training.loggers import build_loggers
 from megatron_hydra.training.module import GPTModule
 from megatron_hydra.training.strategy import MegatronStrategy
 
@@ -93,10 +93,9 @@ class _ProgressBar(TQDMProgressBar):
 
 def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, rank: int,
                   checkpoints: Optional[CheckpointCallback] = None) -> pl.Trainer:
-    loggers = [
-        TensorBoardLogger(cfg.run_dir, name="", version="tensorboard", default_hp_metric=False),
-        CSVLogger(cfg.run_dir, name="", version="csv"),
-    ]
+    # A resumed run continues the metric history of its run directory from its start step.
+    start = checkpoints.start if checkpoints is not None else None
+    loggers = build_loggers(cfg.run_dir, int(start["step"]) if start else 0)
     val = cfg.trainer.val_check_interval
     return pl.Trainer(
         accelerator="gpu" if cfg.trainer.accelerator == "gpu" else "cpu",
