@@ -141,3 +141,15 @@ def test_tied_embedding_copies_stay_bitwise_equal_and_1f1b_memory_bound(pp, extr
         assert sum(kind == "F" for _, kind, _ in first["events"]) == STEPS * micro
         assert _max_in_flight(first["events"], 0) == pp
         assert _max_in_flight(last["events"], pp - 1) == 1
+
+
+def test_unsupported_torch_pipelining_is_one_line(monkeypatch):
+    """The adapter names what a torch release lacks, in one line, before building a schedule."""
+    from megatron_hydra.errors import ConfigError
+    from megatron_hydra.parallel import pipeline_runtime
+
+    pipeline_runtime.check_supported()  # this torch has everything
+    monkeypatch.setattr(pipeline_runtime, "_STAGE_METHODS", ("forward_one_chunk", "renamed_in_a_later_torch"))
+    with pytest.raises(ConfigError, match=r"lacks renamed_in_a_later_torch: install a supported torch") as e:
+        pipeline_runtime.check_supported()
+    assert "\n" not in str(e.value)

@@ -4,7 +4,7 @@
   layout (``mapping.fuse_qkv``; BERT has no grouped-query attention). Its ``attention.output``
   dense is our ``attention.proj``, ``intermediate`` / ``output`` dense are ``mlp.fc1`` / ``fc2``.
 - Post-LN: ``attention.output.LayerNorm`` follows the attention's residual sum (our ``norm1``),
-  ``output.LayerNorm`` the MLP's (``norm2``), as in ``models.bert.PostNormBlock``.
+  ``output.LayerNorm`` the MLP's (``norm2``), as in the post-norm ``models.transformer.Block``.
 - Masked-LM head: ``cls.predictions.transform`` is our ``lm_head.dense`` / ``lm_head.norm``;
   its decoder is tied to the word embedding and its bias is ``lm_head.bias``. The pooler and
   ``cls.seq_relationship`` (``BertForPreTraining`` only) are our ``pooler`` / ``binary_head``.

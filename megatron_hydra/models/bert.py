@@ -2,8 +2,8 @@
 
 What differs from GPT, and nothing else: attention is not causal but sees a padding mask;
 embeddings add token types (segments A/B) and are layer-normed; each layer normalises *after*
-its residual sum (post-LN, as the original BERT and Hugging Face's ``BertModel``), which reuses
-the GPT block's attention, MLP and norms with a different ``forward``; the masked-LM head is
+its residual sum (post-LN, as the original BERT and Hugging Face's ``BertModel``: the shared
+``Block`` with ``post_norm``); the masked-LM head is
 dense + activation + layer norm, then logits from the tied word embedding plus a bias; the
 binary head reads the first ([CLS]) token through a tanh pooler.
 
@@ -15,30 +15,19 @@ Sequence parallelism is not supported (``config.derive`` refuses it).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_hydra.models.transformer import Block, build_norm, run_stack
+from megatron_hydra.models.transformer import TransformerStack, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, replicated, tp_param
+from megatron_hydra.parallel.layers import (PositionEmbedding, VocabParallelEmbedding, replicated, sharded_param,
+                                            vocab_parallel_logits)
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.state import ParallelState
-
-
-class PostNormBlock(Block):
-    """norm(x + attention(x)), then norm(x + mlp(x)): the same modules as ``Block``."""
-
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
-        super().__init__(cfg, ps, device, causal=False)
-
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.norm1(x + dropout(self.attention(x, mask=mask), self.dropout, self.training, False))
-        return self.norm2(x + dropout(self.mlp(x), self.dropout, self.training, False))
 
 
 class MLMHead(nn.Module):
@@ -49,7 +38,7 @@ class MLMHead(nn.Module):
         super().__init__()
         self.dense = replicated(nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=cfg.params_dtype, device=device))
         self.norm = build_norm(cfg, device)
-        self.bias = tp_param((cfg.padded_vocab_size // ps.tp_size,), cfg.params_dtype, device, 0)
+        self.bias = sharded_param((cfg.padded_vocab_size,), 0, ps.tp_group, cfg.params_dtype, device)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,27 +51,24 @@ class BertModel(nn.Module):
         super().__init__()
         self.cfg, self.ps = cfg, ps
         self.pre_process, self.post_process = pre_process, post_process
-        layers = range(cfg.num_layers) if layers is None else layers
+        kw = dict(dtype=cfg.params_dtype, device=device)
         if pre_process or post_process:  # the last stage's copy is the tied MLM decoder
             self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ps.tp_group,
-                                                    dtype=cfg.params_dtype, device=device)
-            self.embedding.weight.shared_embedding = True
-            self.embedding.weight.shared_embedding_copy = not pre_process
+                                                    tied=True, pipeline_copy=not pre_process, **kw)
         if pre_process:
-            kw = dict(dtype=cfg.params_dtype, device=device)
-            self.position_embedding = replicated(nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw))
+            self.position_embedding = PositionEmbedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
             self.token_type_embedding = replicated(nn.Embedding(cfg.num_tokentypes, cfg.hidden_size, **kw))
             self.embedding_norm = build_norm(cfg, device)
-        self.layers = nn.ModuleDict({str(i): PostNormBlock(cfg, ps, device) for i in layers})
+        layers = range(cfg.num_layers) if layers is None else layers
+        self.layers = TransformerStack(cfg, ps, layers, device, causal=False, post_norm=True)
         if post_process:
             self.lm_head = MLMHead(cfg, ps, device)
             if cfg.binary_head:
-                kw = dict(dtype=cfg.params_dtype, device=device)
                 self.pooler = replicated(nn.Linear(cfg.hidden_size, cfg.hidden_size, **kw))
                 self.binary_head = replicated(nn.Linear(cfg.hidden_size, 2, **kw))
 
     def embed(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embedding(tokens) + self.position_embedding(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embedding(tokens) + self.position_embedding(tokens.shape[1])
         x = x + self.token_type_embedding(torch.zeros_like(tokens) if token_types is None else token_types)
         return dropout(self.embedding_norm(x), self.cfg.hidden_dropout, self.training, False)
 
@@ -92,12 +78,12 @@ class BertModel(nn.Module):
         ``padding_mask`` [batch, seq]: 1 for real tokens, 0 for padding (never attended to)."""
         mask = None if padding_mask is None else padding_mask.bool()[:, None, None, :]
         x = self.embed(x, token_types) if self.pre_process else x
-        return run_stack(self.cfg, [partial(block, mask=mask) for block in self.layers.values()], x, self.training)
+        return self.layers(x, mask=mask)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This TP rank's vocabulary shard of the masked-LM logits; padded entries are -inf."""
-        logits = parallel_lm_logits(self.lm_head(hidden), self.embedding.weight, self.ps.tp_group, False)
-        return mask_padded_vocab(logits + self.lm_head.bias, self.cfg.vocab_size, self.ps.tp_rank)
+        return vocab_parallel_logits(self.lm_head(hidden), self.embedding.weight, self.ps.tp_group, False,
+                                     self.cfg.vocab_size, bias=self.lm_head.bias)
 
     def binary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sentence-order logits [batch, 2] from the first ([CLS]) token."""

@@ -19,16 +19,15 @@ and sequence parallelism are not supported (``config.derive`` refuses them).
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Optional
 
 import torch
 from torch import nn
 
-from megatron_hydra.models.transformer import Attention, Block, build_norm, run_stack
+from megatron_hydra.models.transformer import TransformerStack, build_norm
 from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import VocabParallelEmbedding, mask_padded_vocab, parallel_lm_logits, tp_param
+from megatron_hydra.parallel.layers import VocabParallelEmbedding, sharded_param, vocab_parallel_logits
 from megatron_hydra.parallel.random import dropout
 from megatron_hydra.parallel.state import ParallelState
 
@@ -58,7 +57,7 @@ class RelativePositionBias(nn.Module):
         super().__init__()
         self.bidirectional = bidirectional
         self.num_buckets, self.max_distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
-        self.weight = tp_param((self.num_buckets, cfg.num_attention_heads // ps.tp_size), cfg.params_dtype, device, 1)
+        self.weight = sharded_param((self.num_buckets, cfg.num_attention_heads), 1, ps.tp_group, cfg.params_dtype, device)
 
     def forward(self, q_len: int, k_len: int) -> torch.Tensor:
         """[1, local heads, q_len, k_len]."""
@@ -74,22 +73,6 @@ def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-class DecoderBlock(Block):
-    """x + self_attention(norm(x)), x + cross_attention(norm(x), encoder output), x + mlp(norm(x))."""
-
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
-        super().__init__(cfg, ps, device, causal=True)
-        self.norm_cross = build_norm(cfg, device)
-        self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, context: torch.Tensor,
-                context_mask: torch.Tensor) -> torch.Tensor:
-        x = x + dropout(self.attention(self.norm1(x), mask=mask), self.dropout, self.training, False)
-        x = x + dropout(self.cross_attention(self.norm_cross(x), mask=context_mask, context=context),
-                        self.dropout, self.training, False)
-        return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training, False)
-
-
 class T5Model(nn.Module):
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, layers=None, pre_process: bool = True,
                  post_process: bool = True, device=None):
@@ -100,14 +83,14 @@ class T5Model(nn.Module):
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, ps.tp_group,
                                                 dtype=cfg.params_dtype, device=device)
         self.encoder_position_bias = RelativePositionBias(cfg, ps, True, device)
-        self.encoder = nn.ModuleDict({str(i): Block(cfg, ps, device, causal=False) for i in range(cfg.num_layers)})
+        self.encoder = TransformerStack(cfg, ps, range(cfg.num_layers), device, causal=False)
         self.encoder_norm = build_norm(cfg, device)
         self.decoder_position_bias = RelativePositionBias(cfg, ps, False, device)
-        self.decoder = nn.ModuleDict({str(i): DecoderBlock(cfg, ps, device) for i in range(cfg.num_decoder_layers)})
+        self.decoder = TransformerStack(cfg, ps, range(cfg.num_decoder_layers), device, cross=True)
         self.decoder_norm = build_norm(cfg, device)
         if not cfg.tie_embeddings:
-            shape = (cfg.padded_vocab_size // ps.tp_size, cfg.hidden_size)
-            self.output_weight = tp_param(shape, cfg.params_dtype, device, 0)
+            self.output_weight = sharded_param((cfg.padded_vocab_size, cfg.hidden_size), 0, ps.tp_group,
+                                               cfg.params_dtype, device)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.cfg.hidden_dropout, self.training, False)
@@ -119,7 +102,7 @@ class T5Model(nn.Module):
         mask = self.encoder_position_bias(s, s).to(x.dtype)
         if padding_mask is not None:
             mask = mask + additive_mask(padding_mask.bool()[:, None, None, :], x.dtype)
-        x = run_stack(self.cfg, [partial(block, mask=mask) for block in self.encoder.values()], x, self.training)
+        x = self.encoder(x, mask=mask)
         return self._drop(self.encoder_norm(x))
 
     def decode(self, decoder_tokens: torch.Tensor, context: torch.Tensor,
@@ -131,15 +114,12 @@ class T5Model(nn.Module):
         mask = self.decoder_position_bias(t, t).to(x.dtype) + additive_mask(causal, x.dtype)
         keep = torch.ones(context.shape[:2], dtype=torch.bool, device=x.device) if padding_mask is None else padding_mask
         context_mask = additive_mask(keep.bool()[:, None, None, :], x.dtype)
-        layers = [partial(block, mask=mask, context=context, context_mask=context_mask)
-                  for block in self.decoder.values()]
-        x = run_stack(self.cfg, layers, x, self.training)
+        x = self.decoder(x, mask=mask, context=context, context_mask=context_mask)
         x = self._drop(self.decoder_norm(x))
         if self.cfg.tie_embeddings:
             x = x * self.cfg.hidden_size ** -0.5
         weight = self.embedding.weight if self.cfg.tie_embeddings else self.output_weight
-        logits = parallel_lm_logits(x, weight, self.ps.tp_group, False)
-        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ps.tp_rank)
+        return vocab_parallel_logits(x, weight, self.ps.tp_group, False, self.cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 decoder_tokens: Optional[torch.Tensor] = None,

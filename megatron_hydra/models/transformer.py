@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.models.transformer_config import TransformerConfig
-from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, replicated
+from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers
 from megatron_hydra.parallel.state import ParallelState
@@ -146,15 +146,15 @@ class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
         super().__init__()
         common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
-        self.activation, self.tp_group, self.sequence_parallel = cfg.activation, ps.tp_group, cfg.sequence_parallel
+        self.activation = cfg.activation
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common)
         self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation in GATED else None
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps.tp_group, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:  # one entry into the TP region for both projections
-            x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
-            h = GATED[self.activation](self.gate(x, input_entered=True)) * self.fc1(x, input_entered=True)
+        if self.gate is not None:
+            gate, up = same_input(x, self.gate, self.fc1)
+            h = GATED[self.activation](gate) * up
         elif self.activation == "relu":
             h = F.relu(self.fc1(x))
         else:
@@ -163,16 +163,52 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x))."""
+    """One layer: self-attention, optionally cross-attention (``cross``: an encoder-decoder's
+    decoder), then the MLP, each a residual branch with dropout.
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True):
+    Pre-norm (GPT, Llama, T5): ``x + f(norm(x))``. Post-norm (``post_norm``, the original BERT):
+    ``norm(x + f(x))``. The modules are the same either way, so are the parameter names.
+    """
+
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True,
+                 post_norm: bool = False, cross: bool = False):
         super().__init__()
         self.norm1 = build_norm(cfg, device)
         self.attention = Attention(cfg, ps, device, causal=causal)
+        if cross:
+            self.norm_cross = build_norm(cfg, device)
+            self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
         self.norm2 = build_norm(cfg, device)
         self.mlp = MLP(cfg, ps, device)
+        self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
-    def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + dropout(self.attention(self.norm1(x), kv_cache, mask), self.dropout, self.training, self.sequence_parallel)
-        return x + dropout(self.mlp(self.norm2(x)), self.dropout, self.training, self.sequence_parallel)
+    def _residual(self, x: torch.Tensor, norm: nn.Module, branch) -> torch.Tensor:
+        drop = partial(dropout, p=self.dropout, training=self.training, sharded=self.sequence_parallel)
+        if self.post_norm:
+            return norm(x + drop(branch(x)))
+        return x + drop(branch(norm(x)))
+
+    def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
+                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``mask``: the self-attention mask (``Attention.core_attention``); ``context`` and
+        ``context_mask``: what cross-attention attends to, and its mask."""
+        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask))
+        if self.cross:
+            x = self._residual(x, self.norm_cross, lambda h: self.cross_attention(h, mask=context_mask, context=context))
+        return self._residual(x, self.norm2, self.mlp)
+
+
+class TransformerStack(nn.ModuleDict):
+    """A model's (or pipeline stage's) layers, keyed by their global index so that parameter
+    names are the whole model's logical names at any layout (``layers.7.mlp.fc1.weight``).
+    ``forward`` runs them in order, with full recomputation as ``cfg`` configures it (training
+    only); keyword arguments reach every layer."""
+
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, indices, device=None, **block_kwargs):
+        super().__init__({str(i): Block(cfg, ps, device, **block_kwargs) for i in indices})
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        layers = [partial(block, **kwargs) for block in self.values()] if kwargs else list(self.values())
+        return run_stack(self.cfg, layers, x, self.training)

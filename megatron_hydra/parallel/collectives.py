@@ -69,6 +69,13 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group, kind: str = 
     return _all_gather_into(out, tensor, group=group, async_op=True)
 
 
+def all_reduce_async(tensor: torch.Tensor, group, kind: str = "all_reduce"):
+    """Sum over the group in place, asynchronously: returns the work handle to wait on."""
+    if _counter is not None:
+        _counter.add(kind, tensor)
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce (sum by default) over the group, in place."""
     if group_size(group) == 1:

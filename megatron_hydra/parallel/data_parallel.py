@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_hydra.parallel import collectives as C
 
@@ -125,9 +124,7 @@ class GradBuffer:
         if self.distributed:
             bucket.handle = C.reduce_scatter_into(bucket.shard, bucket.view, self.group, "dp_reduce_scatter")
         else:
-            if C._counter is not None:
-                C._counter.add("dp_all_reduce", bucket.view)
-            bucket.handle = dist.all_reduce(bucket.view, group=self.group, async_op=True)
+            bucket.handle = C.all_reduce_async(bucket.view, self.group, "dp_all_reduce")
 
     def zero(self) -> None:
         """Zero all grads and (re)attach them to the buffer: anything that set ``.grad = None``

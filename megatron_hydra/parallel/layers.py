@@ -30,6 +30,13 @@ def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parall
     return p
 
 
+def sharded_param(shape, dim: int, tp_group, dtype, device) -> nn.Parameter:
+    """A parameter of logical ``shape`` of which this rank holds a 1/tp slice along ``dim``."""
+    local = list(shape)
+    local[dim] = _shard(shape[dim], C.group_size(tp_group), f"dim {dim} of {tuple(shape)}")
+    return tp_param(tuple(local), dtype, device, dim)
+
+
 def replicated(module: nn.Module, sequence_parallel: bool = False) -> nn.Module:
     """Tag a plain module's parameters as held whole by every TP rank; ``sequence_parallel``:
     each rank computes their gradient from its own sequence slice, so it is summed over TP."""
@@ -77,6 +84,14 @@ class ColumnParallelLinear(nn.Module):
         return M.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
+def same_input(x: torch.Tensor, *layers: ColumnParallelLinear):
+    """Several column-parallel layers over one input (a gated MLP's gate and up projections):
+    the input enters the TP region once, so backward reduces their summed input gradient once
+    instead of once per layer."""
+    x = enter_tp_region(x, layers[0].tp_group, layers[0].sequence_parallel)
+    return tuple(layer(x, input_entered=True) for layer in layers)
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its input columns: each rank holds a slice of x (the
     output of a column-parallel layer) and the partial products are summed over TP (or
@@ -102,16 +117,25 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary: rank r owns ids [r*V/tp, (r+1)*V/tp). Ids
     outside the range look up nothing (zeros) and the partial lookups are summed over TP; with
     sequence parallelism the sum is reduce-scattered, so each rank leaves with its sequence slice
-    (half the bytes of an all-reduce followed by a split)."""
+    (half the bytes of an all-reduce followed by a split).
+
+    ``tied``: the table is also the output layer's weight. A model split into pipeline stages
+    then holds it on the first stage and a ``pipeline_copy`` on the last (Megatron's scheme):
+    same logical name and initial values; ``parallel.pipeline`` sums the two copies' grads, and
+    gradient clipping and checkpoints count the copy zero times.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, *,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None):
+                 sequence_parallel: bool = False, tied: bool = False, pipeline_copy: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        local = _shard(num_embeddings, C.group_size(tp_group), "num_embeddings")
-        self.vocab_start = C.group_rank(tp_group) * local
-        self.weight = tp_param((local, embedding_dim), dtype, device, 0)
+        self.weight = sharded_param((num_embeddings, embedding_dim), 0, tp_group, dtype, device)
+        self.vocab_start = C.group_rank(tp_group) * self.weight.shape[0]
+        if tied:
+            self.weight.shared_embedding = True
+            self.weight.shared_embedding_copy = pipeline_copy
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if C.group_size(self.tp_group) == 1:
@@ -124,9 +148,32 @@ class VocabParallelEmbedding(nn.Module):
         return M.reduce_from_tp(out, self.tp_group)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
-    """Logits of this rank's vocabulary shard from the (possibly tied) vocab-parallel weight."""
-    return F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
+class PositionEmbedding(nn.Embedding):
+    """Learned absolute positions, replicated over TP. Under sequence parallelism each rank holds
+    the sequence slice ``[tp_rank * s, (tp_rank + 1) * s)`` and looks up those positions (so
+    the grads, computed from one slice each, are summed over TP)."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, tp_group=None, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(max_positions, embedding_dim, dtype=dtype, device=device)
+        replicated(self, sequence_parallel)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+
+    def forward(self, length: int, offset: int = 0) -> torch.Tensor:
+        """[length, dim] for the ``length`` positions from ``offset`` (generation: the tokens
+        already cached), or for this rank's slice under sequence parallelism."""
+        start = C.group_rank(self.tp_group) * length if self.sequence_parallel else offset
+        return super().forward(torch.arange(start, start + length, device=self.weight.device))
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool,
+                          vocab_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logits of this rank's vocabulary shard, [..., padded_vocab / tp], from the (possibly tied)
+    vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf."""
+    logits = F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
+    if bias is not None:
+        logits = logits + bias
+    return mask_padded_vocab(logits, vocab_size, C.group_rank(tp_group))
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ the same schedule in the same order; the zero-bubble split of backward into inpu
 weight-gradient passes keeps every collective on the input path (they sit between activations,
 weights are leaves). Point-to-point goes over ``ParallelState``'s ``pp`` group. Tests hold the
 result to the single-process run at 1e-9 in float64 for every schedule, with TP, sequence
-parallelism and DP around it, so writing our own schedules would only add code to maintain
-(DESIGN.md: PyTorch maintains them). Limits we inherit and check in ``config.derive``:
+parallelism and DP around it; PyTorch maintains the schedules, so writing our own would only add
+code to maintain. What we need beyond its public API sits in ``pipeline_runtime``. Limits we inherit and check in ``config.derive``:
 1F1B needs ``num_microbatches >= pp``; the looped schedules need ``num_microbatches`` to be a
 multiple of ``max(1, num_microbatches // pp)`` (torch's "rounds"); ZB-V needs two stages per rank.
 Torch's 1F1B warms up with ``pp`` forwards on the first stage (Megatron: ``pp - 1``), so at most
@@ -23,7 +23,7 @@ Torch's 1F1B warms up with ``pp`` forwards on the first stage (Megatron: ``pp - 
 point-to-point sends refuse strided tensors, which a sequence-parallel stage may output
 (``_Stage`` makes outputs and input grads contiguous); and its runtime schedules walk the backward
 actions even in ``eval()``, which fails for ZB-V, so evaluation runs a second schedule cut down to
-its forward actions.
+its forward actions (``pipeline_runtime.keep_forward_actions``).
 
 Loss. The last stage's module returns the per-token loss (labels reach every stage as a keyword
 argument; only the last uses them) and the schedule's ``loss_fn`` reduces it to the micro-batch's
@@ -42,26 +42,22 @@ copies receive identical updates and stay bitwise equal.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.data_parallel import main_grad
+from megatron_hydra.parallel.pipeline_runtime import HookedStage, check_supported, keep_forward_actions
 from megatron_hydra.parallel.state import ParallelState
 
-_FORWARD_ACTIONS = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
-                    _ComputationType.UNSHARD, _ComputationType.RESHARD)
 SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -108,19 +104,29 @@ class _Stage(nn.Module):
         return self.chunk(x, **kwargs).contiguous()
 
 
+def _fold_weight_grads(stage) -> None:
+    """After a zero-bubble W pass, which adds weight grads to ``.grad`` by hand (no accumulate
+    hook fires): fold a 16-bit model's grads into its fp32 buffer now, so that micro-batches sum
+    in fp32."""
+    for p in stage.submod.parameters():
+        main_grad(p)
+
+
 class Pipeline:
     """This rank's model chunks as pipeline stages, with one training and one evaluation schedule.
 
     ``loss_fn(per_token_loss, loss_mask)`` reduces a micro-batch on the last stage. Setting
     ``events`` to a list records every computation of the training schedule as
     ``(stage, kind, micro-batch, start, end)`` with kind F (forward), B (backward), I and W (the
-    input- and weight-gradient halves of a zero-bubble backward), for tests and benchmarks."""
+    input- and weight-gradient halves of a zero-bubble backward), for tests and benchmarks; it
+    only observes (``pipeline_runtime.HookedStage.on_action``)."""
 
     def __init__(self, chunks: Sequence[nn.Module], stages: Sequence[int], ps: ParallelState, schedule: str,
                  num_microbatches: int, loss_fn: Callable, device: torch.device):
         self.chunks, self.stages, self.ps = list(chunks), list(stages), ps
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.loss_fn, self.device = loss_fn, device
+        check_supported()
         self.num_stages = ps.pp_size * len(self.chunks)
         self.holds_last = self.num_stages - 1 in self.stages
         self.events: Optional[list] = None
@@ -129,41 +135,21 @@ class Pipeline:
         self.tied = [p for c in self.chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
 
     def _build(self, train: bool):
-        stages = [PipelineStage(_Stage(chunk), index, self.num_stages, self.device, group=self.ps.pp_group)
+        stages = [HookedStage(_Stage(chunk), index, self.num_stages, self.device, group=self.ps.pp_group,
+                              after_weight_grads=_fold_weight_grads)
                   for chunk, index in zip(self.chunks, self.stages)]
         for stage in stages if train else ():
-            self._instrument(stage)
+            stage.on_action = self._record
         cls = SCHEDULES[self.schedule_name]
         first = stages[0] if cls is Schedule1F1B else stages
         schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=False)
-        if not train and isinstance(schedule, _PipelineScheduleRuntime):
-            # The runtime walks the training action list even in eval(); a V-schedule's backward
-            # actions then fail ("can't steal_bwd_input"). Keep only the forward actions: they are
-            # a dependency-closed part of a deadlock-free schedule, so still deadlock-free.
-            order = schedule.pipeline_order_with_comms
-            for rank, actions in order.items():
-                order[rank] = [a for a in actions if a.computation_type in _FORWARD_ACTIONS]
+        if not train:
+            keep_forward_actions(schedule)
         return schedule
 
-    def _instrument(self, stage: PipelineStage) -> None:
-        """Record events (when asked) and fold weight grads into the buffer after W passes."""
-        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-            inner = getattr(stage, name)
-
-            def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
-                start = time.perf_counter()
-                out = _inner(mb, *args, **kwargs)
-                if _kind == "W":
-                    # torch adds weight grads to .grad by hand (no accumulate hook fires): fold a
-                    # 16-bit model's grad into its fp32 buffer now, so micro-batches sum in fp32.
-                    for p in stage.submod.parameters():
-                        main_grad(p)
-                if self.events is not None:
-                    kind = _kind if kwargs.get("full_backward", True) else "I"  # I: input grads only (zero bubble)
-                    self.events.append((stage.stage_index, kind, mb, start, time.perf_counter()))
-                return out
-
-            setattr(stage, name, timed)
+    def _record(self, stage: int, kind: str, mb: int, start: float, end: float) -> None:
+        if self.events is not None:
+            self.events.append((stage, kind, mb, start, end))
 
     def _run(self, schedule, tokens, labels, loss_mask, train: bool, inputs: dict) -> torch.Tensor:
         losses: List[torch.Tensor] = []

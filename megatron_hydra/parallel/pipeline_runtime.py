@@ -1,0 +1,88 @@
+"""The one place that touches the non-public side of ``torch.distributed.pipelining``.
+
+Two things we need are not public API in torch 2.6-2.13:
+
+- **A callback after each computation of a stage.** Zero-bubble schedules add weight gradients
+  to ``.grad`` by hand in their W pass (no accumulate hook fires), so a 16-bit model must fold
+  them into its fp32 buffer right after each W pass, or micro-batches would sum in 16 bits. The
+  same callback times computations for the bubble measurements. ``HookedStage`` overrides
+  ``PipelineStage``'s per-chunk methods to provide it.
+- **A forward-only copy of a runtime schedule.** Torch's runtime schedules (interleaved
+  zero-bubble, ZB-V) walk their whole action list even under ``eval()``, and a V schedule's
+  backward actions then fail. ``keep_forward_actions`` keeps the forward actions only.
+
+``check_supported()`` verifies these names exist before a pipeline is built, so a torch release
+that moved them fails with one line rather than deep inside a schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import pipelining
+from torch.distributed.pipelining import schedules as _schedules
+
+from megatron_hydra.errors import ConfigError
+
+SUPPORTED = "2.6 to 2.13"
+_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def check_supported() -> None:
+    """One-line ConfigError if this torch lacks what the pipeline adapter relies on."""
+    missing = [m for m in _STAGE_METHODS if not hasattr(pipelining.PipelineStage, m)]
+    missing += [n for n in ("_ComputationType", "_PipelineScheduleRuntime") if not hasattr(_schedules, n)]
+    if missing:
+        raise ConfigError(
+            f"pipeline parallelism (parallel.pipeline_model_parallel_size > 1) needs torch.distributed.pipelining as in "
+            f"torch {SUPPORTED}; torch {torch.__version__} lacks {', '.join(missing)}: install a supported torch or use pp=1"
+        )
+
+
+# Hook signature: (stage_index, kind, micro_batch, start_seconds, end_seconds); kind is F (forward),
+# B (full backward), I (input-gradient half of a zero-bubble backward) or W (its weight half).
+ActionHook = Callable[[int, str, int, float, float], None]
+
+
+class HookedStage(pipelining.PipelineStage):
+    """``PipelineStage`` that calls ``after_weight_grads(stage)`` after every W pass (correctness)
+    and ``on_action(...)`` after every computation when it is set (instrumentation)."""
+
+    def __init__(self, *args, after_weight_grads: Callable[[pipelining.PipelineStage], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after_weight_grads = after_weight_grads
+        self.on_action: Optional[ActionHook] = None
+
+    def _timed(self, kind: str, method, mb: int, *args, **kwargs):
+        start = time.perf_counter()
+        out = method(mb, *args, **kwargs)
+        if kind == "W":
+            self.after_weight_grads(self)
+        if self.on_action is not None:
+            if kind == "B" and not kwargs.get("full_backward", True):
+                kind = "I"
+            self.on_action(self.stage_index, kind, mb, start, time.perf_counter())
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed("F", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("B", super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("W", super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+
+def keep_forward_actions(schedule) -> None:
+    """Cut a runtime schedule's action lists down to their forward part (for evaluation): a
+    dependency-closed part of a deadlock-free schedule, hence deadlock-free itself."""
+    if not isinstance(schedule, _schedules._PipelineScheduleRuntime):
+        return
+    t = _schedules._ComputationType
+    forward = (t.FORWARD, t.SEND_F, t.RECV_F, t.UNSHARD, t.RESHARD)
+    order = schedule.pipeline_order_with_comms
+    for rank, actions in order.items():
+        order[rank] = [a for a in actions if a.computation_type in forward]
