@@ -47,15 +47,15 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = _config(layers, world, layout)
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
-    module = GPTModule(cfg, derived, ps)
-    opt = module.build_optimizer(GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size))
+    module = LMModule(cfg, derived, ps)
+    opt = module.build_optimizer(GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size))
     for p in module.model.parameters():
         p.grad.fill_(1e-3)
     opt.step()

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_hydra.models.transformer import Block  # noqa: E402
-from megatron_hydra.models.transformer_config import TransformerConfig  # noqa: E402
+from megatron_hydra.config.transformer_config import TransformerConfig  # noqa: E402
 from megatron_hydra.parallel.random import seed_model_parallel  # noqa: E402
 from megatron_hydra.parallel.recompute import run_layers  # noqa: E402
 from megatron_hydra.parallel.state import ParallelState  # noqa: E402
@@ -187,7 +187,7 @@ def _rank(rank, world, port, overrides, run_dir, queue):
 def measured_optimizer_bytes() -> None:
     import torch.multiprocessing as mp
 
-    from megatron_hydra.training.worker import free_port
+    from megatron_hydra.config.io import free_port
 
     print("\nsmall GPT (2 layers, h=64), optimizer bytes per rank counted in a real run (rank 0):")
     print(f"{'dp':>3}{'weights KiB':>13}{'plain KiB':>11}{'distributed KiB':>17}{'ratio':>8}")

@@ -27,8 +27,8 @@ from megatron_hydra.launcher import run
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel.state import ParallelState
-from megatron_hydra.training.metrics import model_flops_per_step
-from megatron_hydra.training.schedules import lr_at
+from megatron_hydra.planning.flops import model_flops_per_step
+from megatron_hydra.training.lr_schedule import lr_at
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WARMUP = 3  # steps excluded from timing on both sides (allocator and thread-pool warm-up)

@@ -31,13 +31,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
-from omegaconf import OmegaConf
 
 from megatron_hydra import lifecycle, slurm
 from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.io import free_port, write_config
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
-CONFIG_FILE = "resolved_config.yaml"
 # Local CPU ranks per core beyond which a run is refused: gloo ranks time-share cores well up to a
 # handful each (the tests run 8 on 2), but hundreds only thrash and exhaust memory.
 MAX_RANKS_PER_CORE = 8
@@ -125,7 +124,7 @@ def check_local_cpu_ranks(cfg: RunConfig, external: Optional[ExternalLaunch]) ->
 
 def run_dirs(cfg: RunConfig) -> List[tuple]:
     """The directories a run writes, with the key that sets each (for error messages)."""
-    from megatron_hydra.checkpoint.callback import checkpoint_dir
+    from megatron_hydra.checkpoint.plan import checkpoint_dir
 
     return [(cfg.run_dir, "run_dir (hydra.run.dir)"), (checkpoint_dir(cfg), "checkpoint.dir")]
 
@@ -142,7 +141,7 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
             raise ConfigError(
                 f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} GPUs: lower it"
             )
-    from megatron_hydra.checkpoint.callback import start_point
+    from megatron_hydra.checkpoint.plan import start_point
     from megatron_hydra.planning.fit import check_fits
 
     check_fits(cfg, derived)  # the memory plan against the device: a run that cannot fit stops here
@@ -163,19 +162,6 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
         build_datasets(cfg.data, seq_length=derived.transformer.seq_length, seed=cfg.data.seed,
                        num_samples=derived.split_samples, vocab_size=derived.transformer.vocab_size,
                        make_dataset=dataset_factory(cfg.data, derived.transformer, cfg.data.seed))
-
-
-def write_config(cfg: RunConfig, run_dir: str) -> str:
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, CONFIG_FILE)
-    with open(path, "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    return path
-
-
-def read_config(path: str) -> RunConfig:
-    loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(loaded)
 
 
 def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
@@ -419,7 +405,6 @@ def _run_locked(cfg: RunConfig, derived: Derived, external: Optional[ExternalLau
         return final_validation_loss(cfg.run_dir) if external.rank == 0 else None
     if derived.world_size == 1:
         # In this process; a fresh port per run, so multirun jobs never meet a stale store.
-        from megatron_hydra.training.worker import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")

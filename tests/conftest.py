@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megatron_hydra.training.worker import free_port
+from megatron_hydra.config.io import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -119,3 +119,44 @@ def env_no_launcher():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return env
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """A 2-step checkpoint of the SMALL model (2 layers), with optimizer state; tests only read it
+    (or copy it before changing anything)."""
+    run_dir = tmp_path_factory.mktemp("small_run")
+    run_training([*SMALL, "trainer.max_steps=2"], run_dir)
+    return run_dir / "checkpoints" / "step_0000002"
+
+
+def preflight_error(tmp_path, *overrides) -> str:
+    """The one-line CheckpointError a SMALL run starting from a checkpoint stops with, before
+    training starts."""
+    from megatron_hydra.errors import CheckpointError
+    from megatron_hydra.launcher import run
+
+    with pytest.raises(CheckpointError) as err:
+        run(compose_config([*SMALL, "trainer.max_steps=3", *overrides], str(tmp_path / "new")))
+    message = str(err.value)
+    assert "\n" not in message
+    assert not (tmp_path / "new" / "csv").exists()  # failed before training started
+    return message
+
+
+def rank1_failure_injector(tmp_path) -> Path:
+    """A directory whose ``sitecustomize.py`` makes rank 1 raise right after joining the process
+    group (put it on the workers' PYTHONPATH), while its peers wait for it in a collective."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch.distributed as dist\n"
+        "    _init = dist.init_process_group\n"
+        "    def _boom(*a, **k):\n"
+        "        _init(*a, **k)\n"
+        "        raise RuntimeError('injected failure')\n"
+        "    dist.init_process_group = _boom\n"
+    )
+    return inject

@@ -11,26 +11,13 @@ import time
 
 import pytest
 
-from conftest import SMALL, compose_config, launch_cmd, read_metrics, run_training
+from conftest import SMALL, compose_config, launch_cmd, preflight_error, run_training
 from megatron_hydra.errors import CheckpointError
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
-    run_training([*SMALL, "trainer.max_steps=2"], run_dir)
-    return run_dir / "checkpoints" / "step_0000002"
-
-
-def preflight_error(tmp_path, *overrides) -> str:
-    from megatron_hydra.launcher import run
-
-    with pytest.raises(CheckpointError) as err:
-        run(compose_config([*SMALL, "trainer.max_steps=3", *overrides], str(tmp_path / "new")))
-    message = str(err.value)
-    assert "\n" not in message
-    assert not (tmp_path / "new" / "csv").exists()  # failed before training started
-    return message
+@pytest.fixture
+def ckpt(small_checkpoint):
+    return small_checkpoint
 
 
 def test_missing_path(tmp_path):
@@ -64,10 +51,10 @@ def test_worker_side_shape_check_reads_the_tensor_files(ckpt):
     from megatron_hydra.checkpoint.sharded import load
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     cfg = compose_config([*SMALL, "model.num_layers=3"])
-    module = GPTModule(cfg, derive(cfg), ParallelState.single())
+    module = LMModule(cfg, derive(cfg), ParallelState.single())
     with pytest.raises(CheckpointError, match="no tensor layers.2"):
         load(str(ckpt), module.model, None, module.ps, 500)
 
@@ -77,11 +64,11 @@ def _model_only_copy(ckpt, dest):
     from megatron_hydra.checkpoint.sharded import save
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     meta = json.loads((ckpt / "meta.json").read_text())
     cfg = compose_config(SMALL)
-    module = GPTModule(cfg, derive(cfg), ParallelState.single())
+    module = LMModule(cfg, derive(cfg), ParallelState.single())
     save(str(dest), module.model, None, module.ps, 500, {k: v for k, v in meta.items() if k != "has_optimizer"})
 
 

@@ -23,13 +23,13 @@ def build(layout, world):
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     cfg = compose_config([*MODEL, f"trainer.devices={world}", *layout])
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp) if dist.is_initialized() else ParallelState.single()
-    module = GPTModule(cfg, derived, ps)
-    buffer = GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size)
+    module = LMModule(cfg, derived, ps)
+    buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size)
     return derived, ps, module.model, module.build_optimizer(buffer)
 
 

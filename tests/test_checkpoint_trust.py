@@ -10,27 +10,13 @@ import shutil
 import pytest
 import torch
 
-from conftest import SMALL, compose_config, run_training, spawn_ranks
+from conftest import SMALL, compose_config, preflight_error, run_training, spawn_ranks
 from megatron_hydra.errors import CheckpointError
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A 2-step checkpoint of the SMALL model (2 layers), with optimizer state."""
-    run_dir = tmp_path_factory.mktemp("run")
-    run_training([*SMALL, "trainer.max_steps=2"], run_dir)
-    return run_dir / "checkpoints" / "step_0000002"
-
-
-def preflight_error(tmp_path, *overrides) -> str:
-    """The one-line CheckpointError a run starting from a checkpoint stops with."""
-    from megatron_hydra.launcher import run
-
-    with pytest.raises(CheckpointError) as err:
-        run(compose_config([*SMALL, "trainer.max_steps=3", *overrides], str(tmp_path / "new")))
-    message = str(err.value)
-    assert "\n" not in message
-    return message
+@pytest.fixture
+def ckpt(small_checkpoint):
+    return small_checkpoint
 
 
 def copy_of(ckpt, tmp_path, name="step_0000002"):
@@ -119,10 +105,10 @@ def test_worker_side_refuses_unloaded_tensors(ckpt):
     from megatron_hydra.checkpoint.sharded import load
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     cfg = compose_config([*SMALL, "model.num_layers=1"])
-    module = GPTModule(cfg, derive(cfg), ParallelState.single())
+    module = LMModule(cfg, derive(cfg), ParallelState.single())
     with pytest.raises(CheckpointError, match="has tensor layers.1.* that this model lacks"):
         load(str(ckpt), module.model, None, module.ps, 500, load_optimizer=False)
 

@@ -18,7 +18,7 @@ from megatron_hydra import slurm
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.launcher import ExternalLaunch, check_external_layout, detect_external
-from megatron_hydra.training.worker import free_port
+from megatron_hydra.config.io import free_port
 
 STEPS = 3
 FP64 = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}"]
@@ -93,7 +93,7 @@ def test_slurm_launcher_config_maps_the_run_onto_sbatch(tmp_path, monkeypatch):
     from submitit.slurm.slurm import _make_sbatch_string
 
     from conftest import CONF
-    from megatron_hydra.checkpoint.callback import WARNING_SIGNALS
+    from megatron_hydra.training.checkpointing import WARNING_SIGNALS
     from megatron_hydra.config import register_configs
     from megatron_hydra.training.strategy import _ProcessGroupEnvironment
 

@@ -37,15 +37,15 @@ def _state_bytes(rank, world, distributed, dtype):
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     torch.set_num_threads(1)
     prec = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     cfg = compose_config([*SMALL, f"trainer.devices={world}", f"precision={prec}", "parallel.grad_bucket_size=5000"])
     derived = derive(cfg)
     ps = ParallelState.build(dp=world)
-    module = GPTModule(cfg, derived, ps)
-    buffer = GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size, distributed=distributed)
+    module = LMModule(cfg, derived, ps)
+    buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size, distributed=distributed)
     opt = module.build_optimizer(buffer)
     for p in module.model.parameters():
         p.main_grad.fill_(1e-3)

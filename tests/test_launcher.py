@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, launch_cmd, read_metrics
+from conftest import SMALL, launch_cmd, rank1_failure_injector, read_metrics
 from megatron_hydra.launcher import detect_external, slurm_rendezvous_env
 
 
@@ -50,18 +50,7 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, env_no_launcher):
 def test_failing_worker_stops_the_run_quickly(tmp_path, env_no_launcher):
     # A sitecustomize on the workers' path makes rank 1 fail right after joining the process
     # group, while rank 0 waits for it in a collective: the launcher must not hang.
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import os\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    import torch.distributed as dist\n"
-        "    _init = dist.init_process_group\n"
-        "    def _boom(*a, **k):\n"
-        "        _init(*a, **k)\n"
-        "        raise RuntimeError('injected failure')\n"
-        "    dist.init_process_group = _boom\n"
-    )
+    inject = rank1_failure_injector(tmp_path)
     env = dict(env_no_launcher, PYTHONPATH=str(inject))
     start = time.monotonic()
     out = _run(launch_cmd("trainer.devices=2", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"), env, timeout=120)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import SMALL, compose_config, launch_cmd, read_metrics
+from conftest import SMALL, compose_config, launch_cmd, rank1_failure_injector, read_metrics
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 
@@ -122,18 +122,7 @@ def test_blame_goes_to_the_killed_rank_not_to_its_peer(tmp_path):
 
 
 def test_stale_error_files_of_an_earlier_run_are_not_blamed(tmp_path, env_no_launcher):
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import os\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    import torch.distributed as dist\n"
-        "    _init = dist.init_process_group\n"
-        "    def _boom(*a, **k):\n"
-        "        _init(*a, **k)\n"
-        "        raise RuntimeError('injected failure')\n"
-        "    dist.init_process_group = _boom\n"
-    )
+    inject = rank1_failure_injector(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for rank in (0, 1, 3):  # left by an earlier 4-rank run in this directory

@@ -64,14 +64,14 @@ def _overflow_rank(rank, world, bad_rank):
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     torch.set_num_threads(1)
     cfg = compose_config([*SMALL, f"trainer.devices={world}", "parallel=tp2", "precision=fp16", "precision.hysteresis=1"])
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, dp=derived.dp)
-    module = GPTModule(cfg, derived, ps)
-    buffer = GradBuffer(module.model.parameters(), ps.dp_group, cfg.parallel.grad_bucket_size)
+    module = LMModule(cfg, derived, ps)
+    buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size)
     opt = module.build_optimizer(buffer)
     tokens = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(ps.dp_rank))
     params = list(module.model.parameters())

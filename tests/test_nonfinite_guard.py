@@ -59,10 +59,10 @@ def test_nonfinite_weights_are_never_written(tmp_path):
     from megatron_hydra.checkpoint.sharded import save
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
 
     cfg = compose_config(SMALL)
-    module = GPTModule(cfg, derive(cfg), ParallelState.single())
+    module = LMModule(cfg, derive(cfg), ParallelState.single())
     with torch.no_grad():
         dict(module.model.named_parameters())["layers.1.mlp.fc2.weight"][3, 5] = float("inf")
     with pytest.raises(CheckpointError, match="refused to save .*layers.1.mlp.fc2.weight holds NaN or inf"):

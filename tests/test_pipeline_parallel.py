@@ -86,7 +86,7 @@ def _train_and_inspect(rank, world, overrides, run_dir):
 
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import GPTModule
+    from megatron_hydra.training.module import LMModule
     from megatron_hydra.training.strategy import MegatronStrategy
     from megatron_hydra.training.train import build_dataloaders, build_trainer
 
@@ -94,7 +94,7 @@ def _train_and_inspect(rank, world, overrides, run_dir):
     cfg = compose_config(overrides, run_dir)
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
-    module = GPTModule(cfg, derived, ps)
+    module = LMModule(cfg, derived, ps)
     tied = [p for chunk in module.model for p in chunk.parameters() if getattr(p, "shared_embedding", False)]
     before = [p.detach().numpy().copy() for p in tied]
     module.pipeline.events = []

@@ -37,8 +37,8 @@ def test_shipped_constants_are_the_sc21_fit(selene):
 @pytest.mark.parametrize("row", [sc21.TABLE1[0], sc21.TABLE1[-1]], ids=lambda r: r.label)
 def test_flop_counts_are_the_papers(row, selene):
     # SC21 eq. 3 (full recompute): 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); without recompute the
-    # training metrics' model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)).
-    from megatron_hydra.training.metrics import model_flops_per_step
+    # planning.flops' model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)).
+    from megatron_hydra.planning.flops import model_flops_per_step
 
     B, s, l, h, V = row.batch, sc21.SEQ_LENGTH, row.layers, row.hidden, sc21.VOCAB_SIZE
     step = estimate(sc21.transformer(row), B, sc21.published_layout(row), selene)

@@ -134,7 +134,7 @@ def test_flops_formula_counts_the_forward_matmuls():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_hydra.training.metrics import model_flops_per_step
+    from megatron_hydra.planning.flops import model_flops_per_step
 
     cfg = RunConfig(model=model_config(dict(HF, feed_forward_proj="gated-gelu"), "t5_test"), run_dir="unused")
     cfg.data.name = "indexed"

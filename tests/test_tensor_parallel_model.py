@@ -141,7 +141,7 @@ def _check_model(variant, tp, sp, ps):
 
     from megatron_hydra.models.gpt import GPTModel
     from megatron_hydra.models.init import init_weights
-    from megatron_hydra.models.transformer_config import TransformerConfig
+    from megatron_hydra.config.transformer_config import TransformerConfig
     from megatron_hydra.parallel import collectives as C
     from megatron_hydra.parallel.data_parallel import allreduce_sequence_parallel_grads
     from megatron_hydra.parallel.random import seed_model_parallel

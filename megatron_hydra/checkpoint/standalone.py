@@ -15,11 +15,10 @@ from contextlib import contextmanager
 from typing import Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from megatron_hydra.checkpoint import sharded, store
+from megatron_hydra.checkpoint import plan, sharded, store
 from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.schema import ParallelConfig
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.gpt import GPTModel
@@ -39,14 +38,7 @@ def read_config(path: str) -> RunConfig:
     meta = store.validate(path)
     if "config" not in meta:
         raise CheckpointError(f"{path}/{store.META} holds no config: it was not written by megatron-hydra")
-    try:
-        loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(meta["config"]))
-    except OmegaConfBaseException as e:
-        raise CheckpointError(f"{path}/{store.META}: its config does not fit this version's schema "
-                              f"({str(e).splitlines()[0]})") from None
-    if OmegaConf.is_missing(loaded, "run_dir"):
-        loaded.run_dir = "unused"
-    return OmegaConf.to_object(loaded)
+    return from_yaml(meta["config"], f"{path}/{store.META}")
 
 
 def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[RunConfig, Derived]:
@@ -81,16 +73,7 @@ def save_model(path: str, model: GPTModel, cfg: RunConfig, derived: Derived, lay
                consumed_samples: int = 0) -> None:
     """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``, without
     random states: this process's are no run's, so a run loading it starts from its own seeds."""
-    from megatron_hydra.checkpoint.callback import logical_shapes
-
-    meta = {
-        "step": step,
-        "consumed_samples": consumed_samples,
-        "layout": layout,
-        "dtype": str(derived.transformer.params_dtype),
-        "shapes": logical_shapes(derived),
-        "config": OmegaConf.to_yaml(OmegaConf.structured(cfg)),
-    }
+    meta = plan.meta(cfg, derived, step, consumed_samples, saved_layout=layout)
     with _one_process():
         sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta,
                      rng_states=False)

@@ -17,7 +17,7 @@ import torch
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Non-persistent buffers some older GPT-2 files still carry: not weights.

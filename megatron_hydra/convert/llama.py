@@ -19,7 +19,7 @@ import torch
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 IGNORED = ("rotary_emb.inv_freq",)
 # Rotary tables are built per layer for seq_length positions; a model that allows 128k positions

@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from megatron_hydra.errors import CheckpointError
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:

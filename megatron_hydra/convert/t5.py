@@ -20,7 +20,7 @@ import torch
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.convert.mapping import HFWeights, fuse_qkv, split_qkv
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 ACTIVATIONS = {"relu": "relu", "gated-gelu": "geglu"}
 

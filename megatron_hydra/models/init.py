@@ -16,7 +16,7 @@ import zlib
 import torch
 from torch import nn
 
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
 # [padded_vocab, ...], vocab-parallel; BERT's masked-LM bias is one too (zero like every bias).

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers

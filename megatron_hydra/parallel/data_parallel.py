@@ -74,10 +74,10 @@ def bucket_layout(numels: List[int], bucket_size: int, pad_to: int = 1) -> List[
 
 
 class GradBuffer:
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_size: int,
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_cp_group, bucket_size: int,
                  distributed: bool = False):
         self.params = [p for p in params if p.requires_grad]
-        self.group, self.dp = dp_group, C.group_size(dp_group)
+        self.group, self.dp = dp_cp_group, C.group_size(dp_cp_group)
         self.distributed = distributed
         ordered = list(reversed(self.params))
         first = ordered[0]
@@ -85,7 +85,7 @@ class GradBuffer:
         self.separate = self.dtype != first.dtype  # 16-bit params: grads move into the fp32 buffer
         layout = bucket_layout([p.numel() for p in ordered], bucket_size, self.dp if distributed else 1)
         self.buffer = torch.zeros(layout[-1][3], dtype=self.dtype, device=first.device)
-        rank = C.group_rank(dp_group)
+        rank = C.group_rank(dp_cp_group)
         self.offsets: Dict[torch.nn.Parameter, int] = {}
         self.buckets: List[Bucket] = []
         self._bucket_of = {}

@@ -39,7 +39,7 @@ def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, p
             sq += g.to(acc_dtype).pow(2).sum()
     C.all_reduce(sq, ps.group("model"))
     if sharded_over_dp:
-        C.all_reduce(sq, ps.dp_group)
+        C.all_reduce(sq, ps.dp_cp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)

@@ -51,8 +51,10 @@ class Piece:
 class MegatronOptimizer(torch.optim.Optimizer):
     """AdamW with Megatron's mixed-precision and ZeRO-1 bookkeeping (see the module docstring).
 
-    A ``torch.optim.Optimizer`` for Lightning, whose ``param_groups`` and ``state`` are the inner
-    AdamW's; gradients are zeroed by the strategy (in the buffer), not here."""
+    A complete ``torch.optim.Optimizer`` (its base is initialised: hooks, profiling and Lightning's
+    wrappers work as on any optimizer) whose ``param_groups`` and ``state`` are the inner AdamW's
+    own objects, so a change through either is seen by both; gradients are zeroed by the strategy
+    (in the buffer), not here."""
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, ps: ParallelState, *, lr: float, betas, eps: float,
                  weight_decay: float, clip_grad: float, scaler=None):
@@ -67,7 +69,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
         self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
-        self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     # Construction ----------------------------------------------------------------------------
     def _whole_pieces(self) -> List[Piece]:
@@ -142,7 +145,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 break
         # Every rank of the model (tp x pp) and every data-parallel replica must agree.
         C.all_reduce(flag, self.ps.group("model"), op=dist.ReduceOp.MAX)
-        C.all_reduce(flag, self.ps.dp_group, op=dist.ReduceOp.MAX)
+        C.all_reduce(flag, self.ps.dp_cp_group, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     @torch.no_grad()
@@ -247,8 +250,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             for k in keys:
                 full[k][pc.offset + pc.lo:pc.offset + pc.hi] = pc.main.data if k == "main" else state[k]
         for k in keys:  # each element is owned by exactly one data-parallel rank
-            C.all_reduce(full[k], self.ps.dp_group)
-        C.all_reduce(step, self.ps.dp_group, op=dist.ReduceOp.MAX)
+            C.all_reduce(full[k], self.ps.dp_cp_group)
+        C.all_reduce(step, self.ps.dp_cp_group, op=dist.ReduceOp.MAX)
         step = step.cpu()  # where AdamW keeps it
         views = {}
         for p, off in self.buffer.offsets.items():

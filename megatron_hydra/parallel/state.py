@@ -140,7 +140,9 @@ class ParallelState:
         return self.group("pp")
 
     @property
-    def dp_group(self):
+    def dp_cp_group(self):
+        """Data-parallel ranks together with context-parallel ones: the group gradients are
+        averaged over (a cp rank holds the same weights as its dp peers)."""
         return self.group("dp_cp")
 
     def __repr__(self) -> str:

@@ -84,10 +84,11 @@ import torch
 
 from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.models.transformer_config import TransformerConfig
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
+from megatron_hydra.planning.flops import model_flops_per_step
 
 GIB = 2**30
 HALF = (torch.bfloat16, torch.float16)
@@ -392,8 +393,6 @@ def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
             _check_pipeline(cfg, derived.pp, derived.vpp, derived.dp, derived.num_microbatches)
         except ConfigError as e:
             notes.append(f"training would refuse this layout: {e}")
-    from megatron_hydra.training.metrics import model_flops_per_step
-
     flops = model_flops_per_step(derived.transformer, cfg.data.global_batch_size)
     notes.append(f"model FLOPs per step (global batch {cfg.data.global_batch_size}): {flops:.3e}")
     return MemoryPlan(_merge(rows), device_bytes, _title(cfg, derived), source, notes)

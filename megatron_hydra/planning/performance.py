@@ -6,7 +6,7 @@ Notation: global batch ``B``, micro-batch ``b``, sequence ``s``, hidden ``h``, h
 weight element ``e = 2`` (bf16); gradients are reduced in fp32 (4 bytes).
 
 Compute. Per micro-batch, each GPU runs ``1/t`` of its stage's matmuls: per layer and token the
-forward costs ``F_layer = 2 (h (a + 2 g) k + a k h + n_mlp h f) + 4 s a k`` FLOPs (``training.metrics``,
+forward costs ``F_layer = 2 (h (a + 2 g) k + a k h + n_mlp h f) + 4 s a k`` FLOPs (``planning.flops``,
 ``g`` query groups, ``k`` head size, ``n_mlp`` = 2, or 3 for SwiGLU), the backward twice that. Matmuls
 run at ``eta * peak``. Memory-bound kernels (layer norms, bias-dropout-add, the activation, softmax
 and dropout over the ``a s`` attention scores) move ``kappa * e * (c_h h_r + 2 f/t + c_s a s / t)``
@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from megatron_hydra.config.schema import ClusterConfig
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 ACT_BYTES = 2
 GRAD_BYTES = 4

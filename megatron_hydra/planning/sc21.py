@@ -68,7 +68,7 @@ def model_overrides(row: SC21Row) -> List[str]:
 
 def transformer(row: SC21Row):
     """The row's model as the performance model sees it (GPT: 4h MLP, plain multi-head attention)."""
-    from megatron_hydra.models.transformer_config import TransformerConfig
+    from megatron_hydra.config.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=row.layers, hidden_size=row.hidden, num_attention_heads=row.heads, num_query_groups=row.heads,

@@ -29,9 +29,9 @@ from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.training.guard import check_finite
-from megatron_hydra.training.metrics import model_flops_per_step
+from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.training.precision import DynamicLossScaler
-from megatron_hydra.training.schedules import lr_at
+from megatron_hydra.training.lr_schedule import lr_at
 
 
 def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
@@ -48,7 +48,7 @@ def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
     return chunks, stages
 
 
-class GPTModule(pl.LightningModule):
+class LMModule(pl.LightningModule):
     def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState):
         super().__init__()
         self.automatic_optimization = False
@@ -105,7 +105,7 @@ class GPTModule(pl.LightningModule):
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
-        C.all_reduce(value, self.ps.dp_group)
+        C.all_reduce(value, self.ps.dp_cp_group)
         return value / self.ps.dp_size
 
     # Training --------------------------------------------------------------------------------

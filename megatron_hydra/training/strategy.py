@@ -93,7 +93,7 @@ class MegatronStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_group, self.grad_bucket_size,
+        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_cp_group, self.grad_bucket_size,
                                       distributed=self.distributed_optimizer)
         return model
 

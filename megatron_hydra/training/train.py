@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
-from megatron_hydra.checkpoint.callback import CheckpointCallback, start_point
+from megatron_hydra.training.checkpointing import CheckpointCallback
+from megatron_hydra.checkpoint.plan import start_point
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.data.arch_datasets import dataset_factory
 from megatron_hydra.data.builders import build_datasets
@@ -21,7 +22,7 @@ from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.loggers import build_loggers
-from megatron_hydra.training.module import GPTModule
+from megatron_hydra.training.module import LMModule
 from megatron_hydra.training.strategy import MegatronStrategy
 
 log = logging.getLogger("megatron_hydra")
@@ -142,7 +143,7 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     seed = cfg.seed + 100 * ps.pp_rank
     pl.seed_everything(seed, workers=True, verbose=False)
     seed_model_parallel(seed, ps.tp_rank)
-    module = GPTModule(cfg, derived, ps)
+    module = LMModule(cfg, derived, ps)
     strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 distributed_optimizer=cfg.optim.distributed_optimizer, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
     start = start_point(cfg, derived)

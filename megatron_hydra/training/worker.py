@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -29,12 +28,6 @@ import torch.distributed as dist
 from megatron_hydra import lifecycle
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import MegatronHydraError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group(cfg: RunConfig) -> None:
@@ -112,14 +105,14 @@ def _hold_early_sigterm() -> None:
     """Until training starts, SIGTERM (a stop request the launcher forwards) would kill this rank
     mid-startup. Keep it instead, and send it again once the checkpoint callback has installed its
     own handler, which saves at the next step boundary and stops."""
-    from megatron_hydra.checkpoint import callback
+    from megatron_hydra.training import checkpointing
 
     held = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: held.set())
 
     def redeliver() -> None:
         held.wait()
-        while signal.getsignal(signal.SIGTERM) is not callback.request_stop:
+        while signal.getsignal(signal.SIGTERM) is not checkpointing.request_stop:
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -133,7 +126,7 @@ def main(argv=None) -> None:
     parent = os.environ.get(lifecycle.LAUNCHER_PID_ENV)
     lifecycle.die_with_parent(int(parent) if parent else None)
     _hold_early_sigterm()
-    from megatron_hydra.launcher import read_config
+    from megatron_hydra.config.io import read_config
 
     argv = sys.argv[1:] if argv is None else argv
     cfg = read_config(argv[0])

@@ -1,4 +1,4 @@
-"""Model FLOPs (Megatron's accounting) and throughput numbers.
+"""Model FLOPs (Megatron's accounting): what a training step computes, for throughput and MFU.
 
 Training FLOPs per token are 3x the forward's (forward, and backward at twice the cost), counting
 matmuls only: per layer, the QKV, attention-output and MLP projections (2 FLOPs per multiply-add)
@@ -10,7 +10,7 @@ plus the LM head. For a plain GPT (ffn = 4h, no GQA) this is the paper's
 
 from __future__ import annotations
 
-from megatron_hydra.models.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 def model_flops_per_token(cfg: TransformerConfig) -> float:

@@ -6,7 +6,7 @@ waits until Lightning has logged that step's metrics (the next ``on_train_batch_
 ``on_train_end``) and flushes the loggers first, so a checkpoint at step N implies the metric
 history up to it is on disk: a resume after a kill continues the history without a hole. Resuming sets the loop's
 step counters directly; the data sampler was already built at the checkpoint's consumed samples
-(``start_point``), so the run continues with the batch the stopped one would have seen next. The
+(``plan.start_point``), so the run continues with the batch the stopped one would have seen next. The
 consumed-samples counter is the module's own, carried over as saved: a resumed run may use another
 ``data.global_batch_size``, so it is never recomputed as step x batch. At the start rank 0 removes
 what interrupted saves and prunes left behind (``store.clean``).
@@ -24,15 +24,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from megatron_hydra.checkpoint import sharded, store
+from megatron_hydra.checkpoint import plan, sharded, store
 from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.errors import CheckpointError
 from megatron_hydra.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_hydra")
@@ -42,35 +42,21 @@ WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _stop_requested: List[int] = []
 
 
-def checkpoint_dir(cfg: RunConfig) -> str:
-    return cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints")
-
-
-def logical_shapes(derived: Derived) -> Dict[str, List[int]]:
-    """Every logical tensor of the whole model and its shape, from a model on the meta device."""
-    from megatron_hydra.models.archs import ARCHS
-
-    model = ARCHS[derived.transformer.arch].build(derived.transformer, ParallelState.single(), device="meta")
-    return sharded.logical_shapes(model, 1, derived.transformer.vocab_size)
-
-
-def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
-    """The checkpoint this run starts from (``resume=auto``: the newest complete one in the
-    directory, else ``checkpoint.load``) with its metadata, after checking that it fits this
-    model; ``None`` for a fresh start. Cheap (metadata only): the launcher calls it before any
-    worker starts, so a bad checkpoint is a one-line error, and each worker calls it again."""
-    path = store.resolve(checkpoint_dir(cfg), cfg.checkpoint.resume, cfg.checkpoint.load)
-    if path is None:
-        return None
-    meta = store.validate(path)
-    sharded.check_shapes(path, meta["shapes"], logical_shapes(derived), meta["has_optimizer"],
-                         cfg.checkpoint.load_optimizer)
-    return {"path": path, **meta}
-
-
-def _layout(derived: Derived) -> dict:
-    return {"world": derived.world_size, "tp": derived.tp, "pp": derived.pp, "dp": derived.dp, "cp": derived.cp,
-            "vpp": derived.vpp}
+def set_resumed_step(trainer: pl.Trainer, step: int) -> None:
+    """Make Lightning's loop continue at optimizer step ``step``. Lightning resumes only from its own
+    checkpoint format, which ours is not, and has no public setter: the two counters its loop
+    reads are set here, in this one place: the optimizer-step progress (``trainer.global_step``)
+    and the step loggers record. A Lightning version that renamed them fails here in one line."""
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        progress = loop.manual_optimization.optim_step_progress.total
+        if not hasattr(loop, "_batches_that_stepped") or not hasattr(progress, "completed"):
+            raise AttributeError("_batches_that_stepped")
+    except AttributeError as e:
+        raise CheckpointError(f"pytorch-lightning {pl.__version__} has no loop counter {e.name or e}: resuming needs "
+                              "a 2.x version that has it (pip install 'pytorch-lightning>=2.4,<3')") from None
+    progress.ready = progress.completed = step
+    loop._batches_that_stepped = step
 
 
 def request_stop(signum, frame) -> None:
@@ -91,14 +77,15 @@ def install_stop_handlers() -> dict:
 class CheckpointCallback(pl.Callback):
     def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState, start: Optional[dict]):
         self.cfg, self.derived, self.ps, self.start = cfg, derived, ps, start
-        self.dir = checkpoint_dir(cfg)
+        self.dir = plan.checkpoint_dir(cfg)
         self.last_saved: Optional[int] = None
         self.stopped_by_signal = False
         self.stop_signal_kind = 0.0  # 1: SIGTERM, 2: a warning signal (save, then requeue)
         self.save_due = False
         self._previous_handlers: dict = {}
 
-    def _optimizer(self, trainer):
+    @staticmethod
+    def optimizer_of(trainer: pl.Trainer):
         return trainer.optimizers[0] if trainer.optimizers else None
 
     # Resume ----------------------------------------------------------------------------------
@@ -111,17 +98,14 @@ class CheckpointCallback(pl.Callback):
             log.info("training starts at step 0 (checkpoints: %s)", self.dir)
             return
         path, step = self.start["path"], int(self.start["step"])
-        sharded.load(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size,
+        sharded.load(path, pl_module.model, self.optimizer_of(trainer), self.ps, self.derived.transformer.vocab_size,
                      self.cfg.checkpoint.load_optimizer)
         pl_module.consumed_samples = int(self.start["consumed_samples"])
         scaler = getattr(pl_module, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in self.start and self.cfg.checkpoint.load_optimizer:
             scaler.load_state_dict(self.start["loss_scaler"])
-        loop = trainer.fit_loop.epoch_loop
-        progress = loop.manual_optimization.optim_step_progress.total
-        progress.ready = progress.completed = step
-        loop._batches_that_stepped = step
-        same_layout = self.start.get("layout") == _layout(self.derived)
+        set_resumed_step(trainer, step)
+        same_layout = self.start.get("layout") == plan.layout(self.derived)
         restored = same_layout and sharded.load_rng(path)
         self.last_saved = step
         log.info("resumed from %s at step %d (%s)", path, step,
@@ -179,17 +163,10 @@ class CheckpointCallback(pl.Callback):
         for logger in trainer.loggers:  # the history up to this step reaches disk before the checkpoint
             logger.save()
         path = store.step_dir(self.dir, step)
-        meta = {
-            "step": step,
-            "consumed_samples": pl_module.consumed_samples,
-            "layout": _layout(self.derived),
-            "dtype": str(self.derived.transformer.params_dtype),
-            "shapes": logical_shapes(self.derived),
-            "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
-        }
+        meta = plan.meta(self.cfg, self.derived, step, pl_module.consumed_samples)
         if getattr(pl_module, "loss_scaler", None) is not None:
             meta["loss_scaler"] = pl_module.loss_scaler.state_dict()
-        sharded.save(path, pl_module.model, self._optimizer(trainer), self.ps, self.derived.transformer.vocab_size, meta)
+        sharded.save(path, pl_module.model, self.optimizer_of(trainer), self.ps, self.derived.transformer.vocab_size, meta)
         self.last_saved = step
         if self.ps.rank == 0:
             pruned = store.prune(self.dir, self.cfg.checkpoint.keep_last)

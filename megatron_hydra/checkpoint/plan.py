@@ -1,0 +1,59 @@
+"""What a run's checkpoints are, without Lightning: where they go, which one a run starts from,
+and the metadata every checkpoint carries. The launcher uses it before any worker starts (a bad
+checkpoint is a one-line error there); the training callback and whole-model saves write the same
+metadata through ``meta``."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+from megatron_hydra.checkpoint import sharded, store
+from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.config.io import to_yaml
+from megatron_hydra.parallel.state import ParallelState
+
+
+def checkpoint_dir(cfg: RunConfig) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints")
+
+
+def logical_shapes(derived: Derived) -> Dict[str, List[int]]:
+    """Every logical tensor of the whole model and its shape, from a model on the meta device."""
+    from megatron_hydra.models.archs import ARCHS
+
+    model = ARCHS[derived.transformer.arch].build(derived.transformer, ParallelState.single(), device="meta")
+    return sharded.logical_shapes(model, 1, derived.transformer.vocab_size)
+
+
+def layout(derived: Derived) -> dict:
+    """The layout a run's checkpoint records (random states are restored only into the same one)."""
+    return {"world": derived.world_size, "tp": derived.tp, "pp": derived.pp, "dp": derived.dp, "cp": derived.cp,
+            "vpp": derived.vpp}
+
+
+def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
+    """The checkpoint this run starts from (``resume=auto``: the newest complete one in the
+    directory, else ``checkpoint.load``) with its metadata, after checking that it fits this
+    model; ``None`` for a fresh start. Cheap (metadata only): the launcher calls it before any
+    worker starts, so a bad checkpoint is a one-line error, and each worker calls it again."""
+    path = store.resolve(checkpoint_dir(cfg), cfg.checkpoint.resume, cfg.checkpoint.load)
+    if path is None:
+        return None
+    found = store.validate(path)
+    sharded.check_shapes(path, found["shapes"], logical_shapes(derived), found["has_optimizer"],
+                         cfg.checkpoint.load_optimizer)
+    return {"path": path, **found}
+
+
+def meta(cfg: RunConfig, derived: Derived, step: int, consumed_samples: int, saved_layout: Optional[dict] = None) -> dict:
+    """The ``meta.json`` content of a checkpoint of this run at ``step`` (``sharded.save`` adds
+    the checksums and whether the optimizer is in it)."""
+    return {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "layout": saved_layout or layout(derived),
+        "dtype": str(derived.transformer.params_dtype),
+        "shapes": logical_shapes(derived),
+        "config": to_yaml(cfg),
+    }

@@ -1,0 +1,54 @@
+"""The run config as text: what the launcher hands its workers (``resolved_config.yaml``) and what
+every checkpoint carries in its ``meta.json``; one serialisation for both. Also ``free_port``,
+the local rendezvous port a launcher or a test picks for its ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.errors import ConfigError
+
+CONFIG_FILE = "resolved_config.yaml"
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str, source: str) -> RunConfig:
+    """The typed config in ``text``; a one-line ``ConfigError`` naming ``source`` when it does not
+    fit the schema (a checkpoint written by another version). A missing ``run_dir`` (a config that
+    is not a run's) becomes ``unused``."""
+    try:
+        loaded = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(text))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{source}: its config does not fit this version's schema "
+                          f"({str(e).splitlines()[0]})") from None
+    if OmegaConf.is_missing(loaded, "run_dir"):
+        loaded.run_dir = "unused"
+    return OmegaConf.to_object(loaded)
+
+
+def write_config(cfg: RunConfig, run_dir: str) -> str:
+    """Write ``cfg`` as ``run_dir/resolved_config.yaml``; returns its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, CONFIG_FILE)
+    with open(path, "w") as f:
+        f.write(to_yaml(cfg))
+    return path
+
+
+def read_config(path: str) -> RunConfig:
+    with open(path) as f:
+        return from_yaml(f.read(), path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
