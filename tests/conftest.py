@@ -6,8 +6,11 @@ import csv
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Dict, List
+from unittest import mock
 
 import pytest
 import torch.multiprocessing as mp
@@ -38,12 +41,55 @@ def compose_config(overrides: List[str] = (), run_dir: str = "unused"):
 
 
 def run_training(overrides: List[str], run_dir: Path) -> List[Dict[str, float]]:
-    """Run the full launch path (config -> launcher -> workers -> Lightning); return rank 0's
-    logged metrics, one dict per logged step."""
-    from megatron_hydra.launcher import run
+    """Run the launch path (config -> launcher -> workers -> Lightning); return rank 0's logged
+    metrics, one dict per logged step.
 
-    run(compose_config(list(overrides), str(run_dir)))
+    Everything is the launcher's (validation, preflight, run lock, the worker entry, failure
+    reports) except how a multi-rank run's workers start: they are forked from the session's
+    preloaded server (see ``spawn_ranks``) instead of being fresh interpreters that each import
+    torch and Lightning (about 7 s of CPU per rank, most of a small run's time). The launcher's own
+    process handling is tested on its own (test_launcher*.py, test_kill.py, test_cluster_launch.py)."""
+    from megatron_hydra import launcher
+
+    with mock.patch.object(launcher, "_spawn_local", _spawn_forked):
+        launcher.run(compose_config(list(overrides), str(run_dir)))
     return read_metrics(run_dir)
+
+
+def _forked_worker(cfg, derived, rank: int, world: int, port: int) -> None:
+    from megatron_hydra.training.worker import run_worker_and_exit
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    run_worker_and_exit(cfg, derived, rank, rank, world)
+
+
+def _spawn_forked(cfg, derived, config_path: str, grace_s: float = 5.0) -> None:
+    """The launcher's ``_spawn_local`` with forked workers: the same worker entry, and the same
+    report when one fails (the first failing rank, its one line; the others killed ``grace_s``
+    after the first failure)."""
+    from megatron_hydra.launcher import WorkerFailed, clear_error_files, failure_summary, root_cause_rank
+
+    clear_error_files(cfg.run_dir)
+    ctx = multiprocessing.get_context("forkserver")
+    port, world = free_port(), derived.world_size
+    procs = [ctx.Process(target=_forked_worker, args=(cfg, derived, rank, world, port)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    failed_at = None
+    while any(proc.is_alive() for proc in procs):
+        if failed_at is None and any(proc.exitcode for proc in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for proc in procs:
+                proc.kill()
+        time.sleep(0.05)
+    for proc in procs:
+        proc.join()
+    failures = {rank: SimpleNamespace(exitcode=proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode}
+    if failures:
+        rank = root_cause_rank(cfg.run_dir, failures)
+        raise WorkerFailed(f"rank {rank} failed: {failure_summary(cfg.run_dir, rank, failures[rank].exitcode)}")
 
 
 def read_metrics(run_dir: Path) -> List[Dict[str, float]]:
@@ -88,7 +134,8 @@ def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> 
 # instead of each rank importing torch, Lightning and the package anew (seconds per rank on 2
 # cores). The server never runs torch code, so its forks start clean, as spawned ranks would; they
 # get the server's environment, not the test's (no rank test depends on its environment).
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pytorch_lightning", "megatron_hydra.training.train"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pytorch_lightning", "hydra", "omegaconf",
+                                        "megatron_hydra.training.train", "megatron_hydra.training.worker"])
 
 
 def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:
