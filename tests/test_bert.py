@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_same_trajectory, run_training
-from megatron_hydra.convert.bert import export_weights, hf_config, import_weights, model_config
+from megatron_hydra.checkpoint.sharded import logical_shapes
+from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
 from megatron_hydra.convert.mapping import HFWeights
+from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.models.bert import BertModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
@@ -45,8 +47,8 @@ def ours_from_hf(hf_model, binary_head: bool):
     tcfg = derive(cfg).transformer
     model = BertModel(tcfg, ParallelState.single()).eval()
     w = HFWeights(dict(hf_model.state_dict()), "test")
-    load_logical(model, import_weights(w, tcfg))
-    assert not w.unused(ignore=("decoder.weight", "decoder.bias", "position_ids", "token_type_ids"))
+    load_logical(model, import_weights(NAME_MAP, w, tcfg, logical_shapes(model, 1, tcfg.vocab_size)))
+    assert not w.unused(ignore=("position_ids", "token_type_ids"))
     return model
 
 
@@ -96,15 +98,14 @@ def test_export_inverts_import(binary_head):
     hf = cls(transformers.BertConfig(**HF))
     ours = ours_from_hf(hf, binary_head)
     logical = {n: p.detach()[:HF["vocab_size"]] if n in VOCAB_TABLES else p.detach() for n, p in ours.named_parameters()}
-    exported = export_weights(logical, ours.cfg)
+    exported = export_weights(NAME_MAP, logical, ours.cfg)
     reference = hf.state_dict()
-    assert set(exported) <= set(reference)
-    assert set(reference) - set(exported) <= {"cls.predictions.decoder.bias"}  # HF's alias of predictions.bias
+    assert set(exported) == set(reference)  # the tied decoder weight and bias included, as HF holds them
     for name, t in exported.items():
         assert torch.equal(t, reference[name]), name
     # the exported config.json describes the same model: HF builds it and takes the weights strictly
     again = cls(transformers.BertConfig(**hf_config(ours.cfg)))
-    again.load_state_dict(exported, strict=False)
+    again.load_state_dict(exported, strict=True)
     assert all(torch.equal(again.state_dict()[n], t) for n, t in reference.items())
 
 

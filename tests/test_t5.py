@@ -11,8 +11,10 @@ import torch
 
 from conftest import SMALL, assert_same_trajectory, run_training
 from megatron_hydra.config import RunConfig, derive
+from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.convert.mapping import HFWeights
-from megatron_hydra.convert.t5 import export_weights, hf_config, import_weights, model_config
+from megatron_hydra.convert.name_map import export_weights, import_weights
+from megatron_hydra.convert.t5 import NAME_MAP, hf_config, model_config
 from megatron_hydra.models.t5 import T5Model, relative_position_bucket
 from megatron_hydra.parallel.state import ParallelState
 from test_bert import load_logical
@@ -34,8 +36,8 @@ def ours_from_hf(hf_model, hf_cfg):
     tcfg = derive(cfg).transformer
     model = T5Model(tcfg, ParallelState.single()).eval()
     w = HFWeights(dict(hf_model.state_dict()), "test")
-    load_logical(model, import_weights(w, tcfg))
-    assert not w.unused(ignore=("embed_tokens.weight", "lm_head.weight"))
+    load_logical(model, import_weights(NAME_MAP, w, tcfg, logical_shapes(model, 1, tcfg.vocab_size)))
+    assert not w.unused()  # the tied copies (embed_tokens, a tied lm_head) checked too
     return model
 
 
@@ -60,7 +62,7 @@ def test_logits_equal_hf(ffn):
     assert (got - ref).abs().max() < 1e-4
     assert our_loss.item() == pytest.approx(hf_loss.item(), rel=1e-5)
     logical = {n: p.detach()[:300] if n == "embedding.weight" else p.detach() for n, p in ours.named_parameters()}
-    exported, reference = export_weights(logical, ours.cfg), hf.state_dict()
+    exported, reference = export_weights(NAME_MAP, logical, ours.cfg), hf.state_dict()
     assert set(exported) == set(reference)
     assert all(torch.equal(t, reference[n]) for n, t in exported.items())
     again = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config(ours.cfg)))

@@ -7,7 +7,8 @@ into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model c
 are stored unpadded, as every checkpoint stores them; each run pads them to its own TP multiple.
 
 Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
-``transformers.AutoModelForCausalLM.from_pretrained`` reads, the padding rows dropped.
+``transformers.AutoModelForCausalLM.from_pretrained`` reads, the padding rows dropped and tied
+copies left out (as ``save_pretrained`` leaves them out).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from megatron_hydra.checkpoint import sharded, standalone
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import ParallelConfig, TokenizerConfig
-from megatron_hydra.convert import gpt2, hf_files, llama
-from megatron_hydra.convert.mapping import HFWeights, check_against_model
-from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
+from megatron_hydra.convert import gpt2, hf_files, llama, name_map
+from megatron_hydra.convert.mapping import HFWeights
+from megatron_hydra.errors import ConfigError, MegatronHydraError
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
@@ -89,12 +90,7 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     tcfg = derived.transformer
     model = GPTModel(tcfg, ParallelState.single(), device="meta")
     weights = HFWeights(hf_files.read_weights(input), input)
-    ours = arch.import_weights(weights, tcfg)
-    check_against_model(ours, sharded.logical_shapes(model, 1, tcfg.vocab_size), input)
-    leftover = weights.unused(arch.IGNORED)
-    if leftover:
-        raise CheckpointError(f"input={input}: tensor {leftover[0]} has no place in a {kind} model of this config; "
-                              "this variant is not supported")
+    ours = name_map.import_weights(arch.NAME_MAP, weights, tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size))
     state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
     model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in state.items()}, strict=True, assign=True)
     standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
@@ -151,7 +147,8 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, obj
     tcfg = derived.transformer
     sd = {n: p.detach()[: tcfg.vocab_size] if n in VOCAB_TABLES else p.detach() for n, p in model.named_parameters()}
     target = DTYPES[dtype or "float32"]
-    tensors = {n: t.to(target).contiguous() for n, t in ARCHS[kind].export_weights(sd, tcfg).items()}
+    exported = name_map.export_weights(ARCHS[kind].NAME_MAP, sd, tcfg, with_tied=False)
+    tensors = {n: t.to(target).contiguous() for n, t in exported.items()}
     config = {**ARCHS[kind].hf_config(tcfg), "torch_dtype": dtype or "float32"}
     tokenizer = _tokenizer_source(input, cfg)
     if tokenizer is not None:
