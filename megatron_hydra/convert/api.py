@@ -17,14 +17,13 @@ import copy
 import os
 import re
 import shutil
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from megatron_hydra.checkpoint import sharded, standalone
-from megatron_hydra.config import RunConfig, derive
+from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import ParallelConfig, TokenizerConfig
 from megatron_hydra.convert import gpt2, hf_files, llama, name_map
@@ -35,16 +34,15 @@ from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
 
 ARCHS = {"gpt2": gpt2, "llama": llama}
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TOKENIZER = "tokenizer.json"
 
 
 def _parallel(name: str) -> ParallelConfig:
-    path = CONF_DIR / "parallel" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml"))
+    """conf/'s ``parallel=<name>``, composed as ``launch.py`` would."""
+    known = bundled.group_options("parallel")
+    if name not in known:
         raise ConfigError(f"parallel={name}: no such layout; use one of {', '.join(known)}")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path)))
+    return bundled.compose([f"parallel={name}"]).parallel
 
 
 def _check_layout(cfg: RunConfig) -> None:
