@@ -1,5 +1,6 @@
 """T5: parity with Hugging Face's T5ForConditionalGeneration (v1.0 ReLU and v1.1 gated-GELU,
-weights converted by ``convert.t5``), the bucket function against HF's, and tp2 training equal
+weights converted by ``convert.t5``), the convert CLI's import then export giving back
+transformers' tensors exactly, the bucket function against HF's, and tp2 training equal
 to the single process over 10 steps (float64)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.convert.t5 import NAME_MAP, hf_config, model_config
 from megatron_hydra.models.t5 import T5Model, relative_position_bucket
 from megatron_hydra.parallel.state import ParallelState
-from test_bert import load_logical
+from test_bert import load_logical, spread
 
 try:
     import transformers
@@ -68,6 +69,26 @@ def test_logits_equal_hf(ffn):
     again = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config(ours.cfg)))
     again.load_state_dict(exported, strict=True)
     assert all(torch.equal(again.state_dict()[n], t) for n, t in reference.items())
+
+
+@needs_transformers
+@pytest.mark.parametrize("ffn, tied", [("relu", True), ("gated-gelu", False)], ids=["v1.0", "v1.1"])
+def test_cli_import_then_export_gives_back_the_tensors(ffn, tied, tmp_path, capsys):
+    from megatron_hydra.convert.__main__ import main
+
+    hf = transformers.T5ForConditionalGeneration(transformers.T5Config(**HF, feed_forward_proj=ffn,
+                                                                       tie_word_embeddings=tied))
+    spread(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["from_hf", f"input={tmp_path / 'hf'}", f"output={tmp_path / 'ckpt'}", "parallel=tp2"]) == 0
+    assert "data=indexed_t5" in capsys.readouterr().out
+    assert main(["to_hf", f"input={tmp_path / 'ckpt'}", f"output={tmp_path / 'out'}"]) == 0
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out")
+    assert type(back) is type(hf)
+    original, reloaded = hf.state_dict(), back.state_dict()
+    assert sorted(original) == sorted(reloaded)
+    for name, tensor in original.items():
+        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
 
 
 @needs_transformers
