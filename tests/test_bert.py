@@ -1,16 +1,22 @@
 """BERT: parity with Hugging Face's BertForMaskedLM / BertForPreTraining (weights converted by
-``convert.bert``, and back); tp2 x dp2 and pp2 (with full recomputation) training equal to the
-single process over 10 steps in float64 (losses, grad norms, validation), and a tp2 x dp2
-checkpoint continued under pp2."""
+``convert.bert``, and back); the convert CLI's import then export giving back transformers'
+tensors exactly, and its printed fine-tune command running; tp2 x dp2 and pp2 (with full
+recomputation) training equal to the single process over 10 steps in float64 (losses, grad norms,
+validation), and a tp2 x dp2 checkpoint continued under pp2."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_trajectory, run_training
-from megatron_hydra.convert.bert import export_weights, hf_config, import_weights, model_config
+from conftest import ROOT, SMALL, assert_same_trajectory, run_training
+from megatron_hydra.checkpoint.sharded import logical_shapes
+from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
 from megatron_hydra.convert.mapping import HFWeights
+from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.models.bert import BertModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
@@ -45,9 +51,18 @@ def ours_from_hf(hf_model, binary_head: bool):
     tcfg = derive(cfg).transformer
     model = BertModel(tcfg, ParallelState.single()).eval()
     w = HFWeights(dict(hf_model.state_dict()), "test")
-    load_logical(model, import_weights(w, tcfg))
-    assert not w.unused(ignore=("decoder.weight", "decoder.bias", "position_ids", "token_type_ids"))
+    load_logical(model, import_weights(NAME_MAP, w, tcfg, logical_shapes(model, 1, tcfg.vocab_size)))
+    assert not w.unused(ignore=("position_ids", "token_type_ids"))
     return model
+
+
+def spread(model: torch.nn.Module) -> None:
+    """Replace transformers' init (norms at exactly one, biases at zero) by distinct random values,
+    so that a mapping that swapped two tensors cannot pass an equality check."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def _inputs(seed=0):
@@ -96,16 +111,60 @@ def test_export_inverts_import(binary_head):
     hf = cls(transformers.BertConfig(**HF))
     ours = ours_from_hf(hf, binary_head)
     logical = {n: p.detach()[:HF["vocab_size"]] if n in VOCAB_TABLES else p.detach() for n, p in ours.named_parameters()}
-    exported = export_weights(logical, ours.cfg)
+    exported = export_weights(NAME_MAP, logical, ours.cfg)
     reference = hf.state_dict()
-    assert set(exported) <= set(reference)
-    assert set(reference) - set(exported) <= {"cls.predictions.decoder.bias"}  # HF's alias of predictions.bias
+    assert set(exported) == set(reference)  # the tied decoder weight and bias included, as HF holds them
     for name, t in exported.items():
         assert torch.equal(t, reference[name]), name
     # the exported config.json describes the same model: HF builds it and takes the weights strictly
     again = cls(transformers.BertConfig(**hf_config(ours.cfg)))
-    again.load_state_dict(exported, strict=False)
+    again.load_state_dict(exported, strict=True)
     assert all(torch.equal(again.state_dict()[n], t) for n, t in reference.items())
+
+
+# The convert CLI --------------------------------------------------------------------------------
+def _convert(*argv: str) -> None:
+    from megatron_hydra.convert.__main__ import main
+
+    assert main(list(argv)) == 0
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch", ["BertForMaskedLM", "BertForPreTraining"])
+def test_cli_import_then_export_gives_back_the_tensors(arch, tmp_path):
+    cls = getattr(transformers, arch)
+    hf = cls(transformers.BertConfig(**HF))
+    spread(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    _convert("from_hf", f"input={tmp_path / 'hf'}", f"output={tmp_path / 'ckpt'}", "parallel=tp2")
+    _convert("to_hf", f"input={tmp_path / 'ckpt'}", f"output={tmp_path / 'out'}")
+    auto = transformers.AutoModelForPreTraining if arch == "BertForPreTraining" else transformers.AutoModelForMaskedLM
+    back = auto.from_pretrained(tmp_path / "out")
+    assert type(back) is cls
+    original, reloaded = hf.state_dict(), back.state_dict()
+    assert sorted(original) == sorted(reloaded)
+    for name, tensor in original.items():
+        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
+
+
+@needs_transformers
+def test_cli_import_then_printed_fine_tune_command(corpus, tmp_path, env_no_launcher, capsys):
+    hf = transformers.BertForPreTraining(transformers.BertConfig(**HF))
+    hf.save_pretrained(tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    _convert("from_hf", f"input={tmp_path / 'hf'}", f"output={ckpt}", "name=tiny_bert")
+    command = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert command[:2] == ["python", "launch.py"] and "data=indexed_bert" in command
+    blend = "data.blend=[path/to/corpus_text_document]"
+    assert blend in command
+    command[command.index(blend)] = f"data.blend=[{corpus}]"
+    run = subprocess.run([sys.executable, str(ROOT / "launch.py"), *command[2:], "data.tokenizer.type=byte",
+                          "data.split=[90,10,0]", "model.seq_length=32", "data.micro_batch_size=2",
+                          "data.global_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0",
+                          "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=ROOT, env=env_no_launcher)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"resumed from {ckpt} at step 0" in run.stderr + run.stdout
 
 
 # Training: tp2 and pp2 equal the single process ------------------------------------------------

@@ -197,9 +197,9 @@ def _error_line(argv, capsys) -> str:
 
 
 def test_unsupported_architecture(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
     err = _error_line(["from_hf", f"input={tmp_path}", f"output={tmp_path / 'out'}"], capsys)
-    assert "model_type='bert'" in err and "gpt2, llama" in err
+    assert "model_type='gpt_neox'" in err and "gpt2, llama, bert, t5" in err
 
 
 def test_missing_files(tmp_path, capsys):

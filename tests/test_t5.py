@@ -1,5 +1,6 @@
 """T5: parity with Hugging Face's T5ForConditionalGeneration (v1.0 ReLU and v1.1 gated-GELU,
-weights converted by ``convert.t5``), the bucket function against HF's, and tp2 training equal
+weights converted by ``convert.t5``), the convert CLI's import then export giving back
+transformers' tensors exactly, the bucket function against HF's, and tp2 training equal
 to the single process over 10 steps (float64)."""
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import torch
 
 from conftest import SMALL, assert_same_trajectory, run_training
 from megatron_hydra.config import RunConfig, derive
+from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.convert.mapping import HFWeights
-from megatron_hydra.convert.t5 import export_weights, hf_config, import_weights, model_config
+from megatron_hydra.convert.name_map import export_weights, import_weights
+from megatron_hydra.convert.t5 import NAME_MAP, hf_config, model_config
 from megatron_hydra.models.t5 import T5Model, relative_position_bucket
 from megatron_hydra.parallel.state import ParallelState
-from test_bert import load_logical
+from test_bert import load_logical, spread
 
 try:
     import transformers
@@ -34,8 +37,8 @@ def ours_from_hf(hf_model, hf_cfg):
     tcfg = derive(cfg).transformer
     model = T5Model(tcfg, ParallelState.single()).eval()
     w = HFWeights(dict(hf_model.state_dict()), "test")
-    load_logical(model, import_weights(w, tcfg))
-    assert not w.unused(ignore=("embed_tokens.weight", "lm_head.weight"))
+    load_logical(model, import_weights(NAME_MAP, w, tcfg, logical_shapes(model, 1, tcfg.vocab_size)))
+    assert not w.unused()  # the tied copies (embed_tokens, a tied lm_head) checked too
     return model
 
 
@@ -60,12 +63,32 @@ def test_logits_equal_hf(ffn):
     assert (got - ref).abs().max() < 1e-4
     assert our_loss.item() == pytest.approx(hf_loss.item(), rel=1e-5)
     logical = {n: p.detach()[:300] if n == "embedding.weight" else p.detach() for n, p in ours.named_parameters()}
-    exported, reference = export_weights(logical, ours.cfg), hf.state_dict()
+    exported, reference = export_weights(NAME_MAP, logical, ours.cfg), hf.state_dict()
     assert set(exported) == set(reference)
     assert all(torch.equal(t, reference[n]) for n, t in exported.items())
     again = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_config(ours.cfg)))
     again.load_state_dict(exported, strict=True)
     assert all(torch.equal(again.state_dict()[n], t) for n, t in reference.items())
+
+
+@needs_transformers
+@pytest.mark.parametrize("ffn, tied", [("relu", True), ("gated-gelu", False)], ids=["v1.0", "v1.1"])
+def test_cli_import_then_export_gives_back_the_tensors(ffn, tied, tmp_path, capsys):
+    from megatron_hydra.convert.__main__ import main
+
+    hf = transformers.T5ForConditionalGeneration(transformers.T5Config(**HF, feed_forward_proj=ffn,
+                                                                       tie_word_embeddings=tied))
+    spread(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["from_hf", f"input={tmp_path / 'hf'}", f"output={tmp_path / 'ckpt'}", "parallel=tp2"]) == 0
+    assert "data=indexed_t5" in capsys.readouterr().out
+    assert main(["to_hf", f"input={tmp_path / 'ckpt'}", f"output={tmp_path / 'out'}"]) == 0
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out")
+    assert type(back) is type(hf)
+    original, reloaded = hf.state_dict(), back.state_dict()
+    assert sorted(original) == sorted(reloaded)
+    for name, tensor in original.items():
+        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
 
 
 @needs_transformers

@@ -21,7 +21,7 @@ from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.schema import ParallelConfig
 from megatron_hydra.errors import CheckpointError
-from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -55,21 +55,23 @@ def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[Ru
 
 
 @torch.no_grad()
-def load_model(path: str, seq_length: Optional[int] = None) -> Tuple[RunConfig, Derived, GPTModel]:
-    """The GPT saved at ``path``, whole, in this process, in eval mode."""
+def load_model(path: str, seq_length: Optional[int] = None,
+               archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived, torch.nn.Module]:
+    """The model saved at ``path``, whole, in this process, in eval mode; its ``model.arch`` must
+    be one of ``archs`` (the families the caller handles: generation takes GPT only)."""
     cfg = read_config(path)
-    if cfg.model.arch != "gpt":
-        raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only GPT checkpoints load whole "
-                              "here (generation, export)")
+    if cfg.model.arch not in archs:
+        raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only "
+                              f"{' and '.join(a.upper() for a in archs)} checkpoints load whole here")
     cfg, derived = single_process(cfg, seq_length)
     ps = ParallelState.single()
-    model = GPTModel(derived.transformer, ps)
+    model = ARCHS[cfg.model.arch].build(derived.transformer, ps)
     with _one_process():
         sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False)
     return cfg, derived, model.eval()
 
 
-def save_model(path: str, model: GPTModel, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0,
+def save_model(path: str, model: torch.nn.Module, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0,
                consumed_samples: int = 0) -> None:
     """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``, without
     random states: this process's are no run's, so a run loading it starts from its own seeds."""

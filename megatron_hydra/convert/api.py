@@ -1,5 +1,9 @@
 """Import a Hugging Face model directory as a checkpoint, and export a checkpoint back.
 
+The families are GPT-2 and Llama (our GPT), BERT and T5, one module each with its name map
+(``convert.name_map``). Import dispatches on ``config.json``'s ``model_type``; export on the
+checkpoint's ``model.arch``, then (for GPT) on which Hugging Face family the model fits.
+
 Import writes a weights-only checkpoint (``checkpoint.standalone``) that any layout loads, since
 checkpoints are layout-free: ``parallel`` only checks that the model splits that way and goes
 into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model config for
@@ -7,7 +11,8 @@ into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model c
 are stored unpadded, as every checkpoint stores them; each run pads them to its own TP multiple.
 
 Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
-``transformers.AutoModelForCausalLM.from_pretrained`` reads, the padding rows dropped.
+``transformers``' ``from_pretrained`` reads, the padding rows dropped and tied copies left out
+(as ``save_pretrained`` leaves them out).
 """
 
 from __future__ import annotations
@@ -16,34 +21,34 @@ import copy
 import os
 import re
 import shutil
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from megatron_hydra.checkpoint import sharded, standalone
-from megatron_hydra.config import RunConfig, derive
+from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
-from megatron_hydra.config.schema import ParallelConfig, TokenizerConfig
-from megatron_hydra.convert import gpt2, hf_files, llama
-from megatron_hydra.convert.mapping import HFWeights, check_against_model
-from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
-from megatron_hydra.models.gpt import GPTModel
+from megatron_hydra.config.schema import TokenizerConfig
+from megatron_hydra.convert import bert, gpt2, hf_files, llama, name_map, t5
+from megatron_hydra.convert.mapping import HFWeights
+from megatron_hydra.errors import ConfigError, MegatronHydraError
+from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
 
-ARCHS = {"gpt2": gpt2, "llama": llama}
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5)}
 TOKENIZER = "tokenizer.json"
+CORPUS_PLACEHOLDER = "path/to/corpus_text_document"  # BERT and T5 train on sentence-split data
 
 
-def _parallel(name: str) -> ParallelConfig:
-    path = CONF_DIR / "parallel" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml"))
-        raise ConfigError(f"parallel={name}: no such layout; use one of {', '.join(known)}")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path)))
+def _composed(parallel: str, arch: str) -> RunConfig:
+    """conf/ composed as ``launch.py`` would for ``parallel=<parallel>`` (and, for BERT and T5,
+    the data preset they train on)."""
+    known = bundled.group_options("parallel")
+    if parallel not in known:
+        raise ConfigError(f"parallel={parallel}: no such layout; use one of {', '.join(known)}")
+    return bundled.compose([f"parallel={parallel}", *([f"data=indexed_{arch}"] if arch != "gpt" else [])])
 
 
 def _check_layout(cfg: RunConfig) -> None:
@@ -71,38 +76,48 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     returns the command that fine-tunes it."""
     hf = hf_files.read_config(input)
     kind = hf.value("model_type", str, None)
-    if kind not in ARCHS:
+    if kind not in FAMILIES:
         names = ", ".join(map(str, hf.value("architectures", list, [])))
         raise ConfigError(f"input={input}: model_type={kind!r} ({names}) is not "
-                          f"supported: supported are {', '.join(ARCHS)}")
+                          f"supported: supported are {', '.join(FAMILIES)}")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
     name = name or _default_name(input)
-    arch = ARCHS[kind]
-    cfg = RunConfig(model=arch.model_config(hf, name), parallel=_parallel(parallel), run_dir="unused")
+    family = FAMILIES[kind]
+    composed = _composed(parallel, family.ARCH)
+    cfg = RunConfig(model=family.model_config(hf, name), parallel=composed.parallel, run_dir="unused")
+    if family.ARCH != "gpt":
+        cfg.data = composed.data
     _check_layout(cfg)
     tokenizer = os.path.join(input, TOKENIZER)
     if os.path.isfile(tokenizer):
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
     cfg, derived = standalone.single_process(cfg)
-    cfg.parallel = _parallel(parallel)  # recorded as the intended layout; loading ignores it
+    cfg.parallel = composed.parallel  # recorded as the intended layout; loading ignores it
     tcfg = derived.transformer
-    model = GPTModel(tcfg, ParallelState.single(), device="meta")
+    model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
     weights = HFWeights(hf_files.read_weights(input), input)
-    ours = arch.import_weights(weights, tcfg)
-    check_against_model(ours, sharded.logical_shapes(model, 1, tcfg.vocab_size), input)
-    leftover = weights.unused(arch.IGNORED)
-    if leftover:
-        raise CheckpointError(f"input={input}: tensor {leftover[0]} has no place in a {kind} model of this config; "
-                              "this variant is not supported")
+    ours = name_map.import_weights(family.NAME_MAP, weights, tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size))
     state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
     model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in state.items()}, strict=True, assign=True)
     standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
     _write_extras(output, cfg, kind, input, tokenizer)
+    return _fine_tune_command(cfg, output, parallel)
+
+
+def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
+    """``launch.py`` continuing from the import; BERT and T5 need their sentence-split corpus
+    (``data.blend``), which the user puts in place of the placeholder."""
     par = cfg.parallel
     devices = par.tensor_parallel_size * par.pipeline_parallel_size
-    return (f"python launch.py --config-dir {output} model={name} parallel={parallel} trainer.devices={devices} "
-            f"checkpoint.load={output} checkpoint.load_optimizer=false")
+    command = (f"python launch.py --config-dir {output} model={cfg.model.name} parallel={parallel} "
+               f"trainer.devices={devices} checkpoint.load={output} checkpoint.load_optimizer=false")
+    if cfg.model.arch == "gpt":
+        return command
+    data = f" data={cfg.data.name} data.blend=[{CORPUS_PLACEHOLDER}]"
+    if cfg.data.tokenizer.type == "hf":
+        data += f" data.tokenizer.type=hf data.tokenizer.path={cfg.data.tokenizer.path}"
+    return command + data
 
 
 def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer: str) -> None:
@@ -116,13 +131,15 @@ def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer:
         shutil.copyfile(tokenizer, os.path.join(output, TOKENIZER))
 
 
-def _arch_for(tcfg) -> str:
-    reasons = {kind: mod.compatible(tcfg) for kind, mod in ARCHS.items()}
-    for kind, why in reasons.items():
+def _family_for(tcfg):
+    """The Hugging Face family a model of ours exports as (GPT: GPT-2 or Llama, by its layers)."""
+    candidates = [family for family in FAMILIES.values() if family.ARCH == tcfg.arch]
+    reasons = [family.compatible(tcfg) for family in candidates]
+    for family, why in zip(candidates, reasons):
         if not why:
-            return kind
+            return family
     raise ConfigError(f"this model (position_embedding={tcfg.position_embedding}, normalization={tcfg.normalization}, "
-                      f"activation={tcfg.activation}) has no Hugging Face counterpart: {'; '.join(reasons.values())}")
+                      f"activation={tcfg.activation}) has no Hugging Face counterpart: {'; '.join(reasons)}")
 
 
 def _tokenizer_source(path: str, cfg: RunConfig):
@@ -143,21 +160,19 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, obj
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
     cfg = standalone.read_config(input)
-    if cfg.model.arch != "gpt":
-        raise ConfigError(f"input={input} holds a model.arch={cfg.model.arch} model: to_hf exports GPT models "
-                          "(as GPT-2 or Llama)")
-    kind = _arch_for(standalone.single_process(cfg)[1].transformer)
-    _, derived, model = standalone.load_model(input)
+    family = _family_for(standalone.single_process(cfg)[1].transformer)
+    _, derived, model = standalone.load_model(input, archs=tuple(ARCHS))
     tcfg = derived.transformer
     sd = {n: p.detach()[: tcfg.vocab_size] if n in VOCAB_TABLES else p.detach() for n, p in model.named_parameters()}
     target = DTYPES[dtype or "float32"]
-    tensors = {n: t.to(target).contiguous() for n, t in ARCHS[kind].export_weights(sd, tcfg).items()}
-    config = {**ARCHS[kind].hf_config(tcfg), "torch_dtype": dtype or "float32"}
+    exported = name_map.export_weights(family.NAME_MAP, sd, tcfg, with_tied=False)
+    tensors = {n: t.to(target).contiguous() for n, t in exported.items()}
+    config = {**family.hf_config(tcfg), "torch_dtype": dtype or "float32"}
     tokenizer = _tokenizer_source(input, cfg)
-    if tokenizer is not None:
+    if tokenizer is not None and family.ARCH == "gpt":  # a causal LM starts and ends at end-of-document
         config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     files = hf_files.write(output, config, tensors)
     if tokenizer is not None:
         shutil.copyfile(tokenizer.path, os.path.join(output, TOKENIZER))
         files.append(TOKENIZER)
-    return {"architecture": kind, "files": files}
+    return {"architecture": family.MODEL_TYPE, "files": files}

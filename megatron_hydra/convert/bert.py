@@ -1,4 +1,4 @@
-"""Hugging Face BERT (``BertForMaskedLM``, ``BertForPreTraining``) -> our BERT.
+"""Hugging Face BERT (``BertForMaskedLM``, ``BertForPreTraining``) <-> our BERT.
 
 - Attention: HF's separate query / key / value projections are fused per head into our QKV
   layout (``mapping.fuse_qkv``; BERT has no grouped-query attention). Its ``attention.output``
@@ -7,109 +7,100 @@
   ``output.LayerNorm`` the MLP's (``norm2``), as in the post-norm ``models.transformer.Block``.
 - Masked-LM head: ``cls.predictions.transform`` is our ``lm_head.dense`` / ``lm_head.norm``;
   its decoder is tied to the word embedding and its bias is ``lm_head.bias``. The pooler and
-  ``cls.seq_relationship`` (``BertForPreTraining`` only) are our ``pooler`` / ``binary_head``.
+  ``cls.seq_relationship`` (``BertForPreTraining`` only) are our ``pooler`` / ``binary_head``;
+  a directory whose architecture is not ``BertForPreTraining`` imports without them (as
+  ``BertForMaskedLM`` loads it: many published BERTs carry the pretraining heads).
 """
 
 from __future__ import annotations
 
-from typing import Dict
-
-import torch
+from typing import Optional
 
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig
+from megatron_hydra.convert.name_map import QKV, NameMap, Rule, weight_and_bias
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.config.transformer_config import TransformerConfig
 
+MODEL_TYPE, ARCH = "bert", "bert"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
+E, L, B, LAYERS = "bert.embeddings.", "layers.{i}.", "bert.encoder.layer.{i}.", "num_layers"
+P = "cls.predictions."
 
-def model_config(hf: dict, name: str, binary_head: bool = False) -> ModelConfig:
-    act = hf.get("hidden_act", "gelu")
+
+def _binary_head(cfg: TransformerConfig) -> bool:
+    return cfg.binary_head
+
+
+NAME_MAP = NameMap(
+    MODEL_TYPE,
+    rules=(
+        Rule("embedding.weight", E + "word_embeddings.weight"),
+        Rule("embedding.weight", P + "decoder.weight", tied=True),
+        Rule("position_embedding.weight", E + "position_embeddings.weight"),
+        Rule("token_type_embedding.weight", E + "token_type_embeddings.weight"),
+        *weight_and_bias("embedding_norm", E + "LayerNorm"),
+        Rule(L + "attention.qkv.weight", tuple(f"{B}attention.self.{x}.weight" for x in ("query", "key", "value")),
+             QKV, per=LAYERS),
+        Rule(L + "attention.qkv.bias", tuple(f"{B}attention.self.{x}.bias" for x in ("query", "key", "value")),
+             QKV, per=LAYERS),
+        *weight_and_bias(L + "attention.proj", B + "attention.output.dense", per=LAYERS),
+        *weight_and_bias(L + "norm1", B + "attention.output.LayerNorm", per=LAYERS),
+        *weight_and_bias(L + "mlp.fc1", B + "intermediate.dense", per=LAYERS),
+        *weight_and_bias(L + "mlp.fc2", B + "output.dense", per=LAYERS),
+        *weight_and_bias(L + "norm2", B + "output.LayerNorm", per=LAYERS),
+        *weight_and_bias("lm_head.dense", P + "transform.dense"),
+        *weight_and_bias("lm_head.norm", P + "transform.LayerNorm"),
+        Rule("lm_head.bias", P + "bias"),
+        Rule("lm_head.bias", P + "decoder.bias", tied=True),
+        *weight_and_bias("pooler", "bert.pooler.dense", when=_binary_head),
+        *weight_and_bias("binary_head", "cls.seq_relationship", when=_binary_head),
+    ),
+    # Buffers older files carry, and the pretraining heads a BertForMaskedLM import leaves out.
+    ignored=("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias", "seq_relationship.weight",
+             "seq_relationship.bias"),
+)
+
+
+def model_config(hf: dict, name: str, binary_head: Optional[bool] = None) -> ModelConfig:
+    """Our BERT for a ``config.json``; with the sentence-order head when ``binary_head`` or, left
+    None, when the directory is a ``BertForPreTraining``."""
+    hf = hf if isinstance(hf, HFConfig) else HFConfig(hf, "config.json")
+    act = hf.value("hidden_act", str, "gelu")
     if act not in ACTIVATIONS:
         raise ConfigError(f"BERT hidden_act={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")
-    if hf.get("type_vocab_size", 2) != 2:
-        raise ConfigError(f"BERT type_vocab_size={hf['type_vocab_size']} is not supported: only 2 segments")
-    positions = hf.get("max_position_embeddings", 512)
+    types = hf.value("type_vocab_size", int, 2)
+    if types != 2:
+        raise ConfigError(f"BERT type_vocab_size={types} is not supported: only 2 segments")
+    positions_kind = hf.value("position_embedding_type", str, "absolute")
+    if positions_kind != "absolute":
+        raise ConfigError(f"BERT position_embedding_type={positions_kind!r} is not supported: only absolute")
+    if binary_head is None:
+        binary_head = "BertForPreTraining" in hf.value("architectures", list, [])
+    positions = hf.value("max_position_embeddings", int, 512)
     return ModelConfig(
-        name=name, arch="bert", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
-        seq_length=positions, max_position_embeddings=positions, vocab_size=hf["vocab_size"],
-        position_embedding="learned", normalization="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12),
+        name=name, arch="bert", num_layers=hf.value("num_hidden_layers", int), hidden_size=hf.value("hidden_size", int),
+        num_attention_heads=hf.value("num_attention_heads", int), ffn_hidden_size=hf.value("intermediate_size", int),
+        seq_length=positions, max_position_embeddings=positions, vocab_size=hf.value("vocab_size", int),
+        position_embedding="learned", normalization="layernorm", norm_eps=hf.value("layer_norm_eps", float, 1e-12),
         activation=ACTIVATIONS[act], add_bias_linear=True, tie_embeddings=True,
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.1), attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-        init_std=hf.get("initializer_range", 0.02),
+        hidden_dropout=hf.value("hidden_dropout_prob", float, 0.1),
+        attention_dropout=hf.value("attention_probs_dropout_prob", float, 0.1),
+        init_std=hf.value("initializer_range", float, 0.02),
         binary_head=binary_head,
     )
 
 
-def _linear(w: HFWeights, out: dict, src: str, dst: str, shape) -> None:
-    out[dst + ".weight"] = w.take(src + ".weight", shape)
-    out[dst + ".bias"] = w.take(src + ".bias", shape[:1])
-
-
-def _norm(w: HFWeights, out: dict, src: str, dst: str, h: int) -> None:
-    out[dst + ".weight"] = w.take(src + ".weight", [h])
-    out[dst + ".bias"] = w.take(src + ".bias", [h])
-
-
-def import_weights(w: HFWeights, cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """Our logical tensors (vocabulary unpadded) from a BERT state dict."""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    e = "bert.embeddings."
-    out = {"embedding.weight": w.take(e + "word_embeddings.weight", [v, h]),
-           "position_embedding.weight": w.take(e + "position_embeddings.weight", [cfg.max_position_embeddings, h]),
-           "token_type_embedding.weight": w.take(e + "token_type_embeddings.weight", [cfg.num_tokentypes, h])}
-    _norm(w, out, e + "LayerNorm", "embedding_norm", h)
-    for i in range(cfg.num_layers):
-        src, dst = f"bert.encoder.layer.{i}.", f"layers.{i}."
-        a = src + "attention.self."
-        for kind, shape in (("weight", [h, h]), ("bias", [h])):
-            q, k, val = (w.take(a + f"{n}.{kind}", shape) for n in ("query", "key", "value"))
-            out[dst + f"attention.qkv.{kind}"] = fuse_qkv(q, k, val, cfg)
-        _linear(w, out, src + "attention.output.dense", dst + "attention.proj", [h, h])
-        _norm(w, out, src + "attention.output.LayerNorm", dst + "norm1", h)
-        _linear(w, out, src + "intermediate.dense", dst + "mlp.fc1", [f, h])
-        _linear(w, out, src + "output.dense", dst + "mlp.fc2", [h, f])
-        _norm(w, out, src + "output.LayerNorm", dst + "norm2", h)
-    p = "cls.predictions."
-    _linear(w, out, p + "transform.dense", "lm_head.dense", [h, h])
-    _norm(w, out, p + "transform.LayerNorm", "lm_head.norm", h)
-    out["lm_head.bias"] = w.take(p + "bias", [v])
-    if cfg.binary_head:
-        _linear(w, out, "bert.pooler.dense", "pooler", [h, h])
-        _linear(w, out, "cls.seq_relationship", "binary_head", [2, h])
-    return out
-
-
-def export_weights(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """A ``BertForMaskedLM`` (or, with the binary head, ``BertForPreTraining``) state dict from
-    our logical tensors; the decoder weight is the tied word embedding."""
-    e = "bert.embeddings."
-    out = {e + "word_embeddings.weight": sd["embedding.weight"],
-           e + "position_embeddings.weight": sd["position_embedding.weight"],
-           e + "token_type_embeddings.weight": sd["token_type_embedding.weight"],
-           e + "LayerNorm.weight": sd["embedding_norm.weight"], e + "LayerNorm.bias": sd["embedding_norm.bias"]}
-    names = (("attention.proj", "attention.output.dense"), ("norm1", "attention.output.LayerNorm"),
-             ("mlp.fc1", "intermediate.dense"), ("mlp.fc2", "output.dense"), ("norm2", "output.LayerNorm"))
-    for i in range(cfg.num_layers):
-        src, dst = f"layers.{i}.", f"bert.encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            q, k, v = split_qkv(sd[src + f"attention.qkv.{kind}"], cfg)
-            for name, t in (("query", q), ("key", k), ("value", v)):
-                out[dst + f"attention.self.{name}.{kind}"] = t
-            for ours, theirs in names:
-                out[dst + f"{theirs}.{kind}"] = sd[src + f"{ours}.{kind}"]
-    p = "cls.predictions."
-    for kind in ("weight", "bias"):
-        out[p + f"transform.dense.{kind}"] = sd[f"lm_head.dense.{kind}"]
-        out[p + f"transform.LayerNorm.{kind}"] = sd[f"lm_head.norm.{kind}"]
-        if cfg.binary_head:
-            out[f"bert.pooler.dense.{kind}"] = sd[f"pooler.{kind}"]
-            out[f"cls.seq_relationship.{kind}"] = sd[f"binary_head.{kind}"]
-    out[p + "bias"] = sd["lm_head.bias"]
-    out[p + "decoder.weight"] = sd["embedding.weight"]
-    return out
+def compatible(cfg: TransformerConfig) -> str:
+    """Why ``cfg`` has no BERT counterpart, or '' when it has one."""
+    if cfg.normalization != "layernorm" or cfg.activation not in ACTIVATIONS.values():
+        return "BERT needs layernorm and gelu"
+    if not cfg.add_bias_linear or not cfg.tie_embeddings:
+        return "BERT needs biases and a masked-LM decoder tied to the word embedding"
+    if cfg.num_query_groups != cfg.num_attention_heads or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        return "BERT needs plain multi-head attention with head size hidden_size / heads"
+    return ""
 
 
 def hf_config(cfg: TransformerConfig) -> dict:

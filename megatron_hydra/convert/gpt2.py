@@ -10,18 +10,53 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig, fuse_qkv, split_qkv
+from megatron_hydra.convert.name_map import TRANSPOSE, NameMap, Rule, Transform, tied, untied, weight_and_bias
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.config.transformer_config import TransformerConfig
 
+MODEL_TYPE, ARCH = "gpt2", "gpt"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-# Non-persistent buffers some older GPT-2 files still carry: not weights.
-IGNORED = (".attn.bias", ".attn.masked_bias")
+
+# c_attn's output [all q | all k | all v] <-> our QKV per head; the weight also transposed (Conv1D).
+QKV_BLOCKS = Transform(lambda t, cfg: fuse_qkv(*t.split(cfg.hidden_size), cfg),
+                       lambda t, cfg: (torch.cat(split_qkv(t, cfg)),))
+CONV1D_QKV = Transform(lambda t, cfg: fuse_qkv(*t.t().split(cfg.hidden_size), cfg),
+                       lambda t, cfg: (torch.cat(split_qkv(t, cfg)).t(),))
+
+L, H, LAYERS = "layers.{i}.", "transformer.h.{i}.", "num_layers"
+
+
+def _conv1d(ours: str, theirs: str):
+    """A layer's Conv1D: the weight transposed, the bias as it is."""
+    return (Rule(f"{L}{ours}.weight", f"{H}{theirs}.weight", TRANSPOSE, per=LAYERS),
+            Rule(f"{L}{ours}.bias", f"{H}{theirs}.bias", per=LAYERS))
+
+
+NAME_MAP = NameMap(
+    MODEL_TYPE,
+    rules=(
+        Rule("embedding.weight", "transformer.wte.weight"),
+        Rule("embedding.weight", "lm_head.weight", when=tied, tied=True),
+        Rule("output_weight", "lm_head.weight", when=untied),
+        Rule("position_embedding.weight", "transformer.wpe.weight"),
+        Rule("final_norm.weight", "transformer.ln_f.weight"),
+        Rule("final_norm.bias", "transformer.ln_f.bias"),
+        *weight_and_bias(L + "norm1", H + "ln_1", per=LAYERS),
+        Rule(L + "attention.qkv.weight", H + "attn.c_attn.weight", CONV1D_QKV, per=LAYERS),
+        Rule(L + "attention.qkv.bias", H + "attn.c_attn.bias", QKV_BLOCKS, per=LAYERS),
+        *_conv1d("attention.proj", "attn.c_proj"),
+        *weight_and_bias(L + "norm2", H + "ln_2", per=LAYERS),
+        *_conv1d("mlp.fc1", "mlp.c_fc"),
+        *_conv1d("mlp.fc2", "mlp.c_proj"),
+    ),
+    # Non-persistent buffers some older GPT-2 files still carry: not weights.
+    ignored=(".attn.bias", ".attn.masked_bias"),
+    optional_prefix="transformer.",  # GPT2Model's files name its tensors without it
+)
 
 
 def model_config(hf: HFConfig, name: str) -> ModelConfig:
@@ -43,35 +78,6 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
     )
 
 
-def import_weights(w: HFWeights, cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """Our logical tensors (vocabulary unpadded) from a GPT-2 state dict."""
-    p = "transformer." if "transformer.wte.weight" in w else ""
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    out = {"embedding.weight": w.take(f"{p}wte.weight", [v, h]),
-           "position_embedding.weight": w.take(f"{p}wpe.weight", [cfg.max_position_embeddings, h]),
-           "final_norm.weight": w.take(f"{p}ln_f.weight", [h]), "final_norm.bias": w.take(f"{p}ln_f.bias", [h])}
-    if not cfg.tie_embeddings:
-        out["output_weight"] = w.take("lm_head.weight", [v, h])
-    elif "lm_head.weight" in w:
-        w.take("lm_head.weight", [v, h])  # the tied copy some files carry
-    for i in range(cfg.num_layers):
-        src, dst = f"{p}h.{i}.", f"layers.{i}."
-        qkv_w = w.take(src + "attn.c_attn.weight", [h, 3 * h]).t()
-        qkv_b = w.take(src + "attn.c_attn.bias", [3 * h])
-        out[dst + "attention.qkv.weight"] = fuse_qkv(*qkv_w.split(h), cfg)
-        out[dst + "attention.qkv.bias"] = fuse_qkv(*qkv_b.split(h), cfg)
-        out[dst + "attention.proj.weight"] = w.take(src + "attn.c_proj.weight", [h, h]).t()
-        out[dst + "attention.proj.bias"] = w.take(src + "attn.c_proj.bias", [h])
-        out[dst + "mlp.fc1.weight"] = w.take(src + "mlp.c_fc.weight", [h, f]).t()
-        out[dst + "mlp.fc1.bias"] = w.take(src + "mlp.c_fc.bias", [f])
-        out[dst + "mlp.fc2.weight"] = w.take(src + "mlp.c_proj.weight", [f, h]).t()
-        out[dst + "mlp.fc2.bias"] = w.take(src + "mlp.c_proj.bias", [h])
-        for n in ("1", "2"):
-            out[dst + f"norm{n}.weight"] = w.take(src + f"ln_{n}.weight", [h])
-            out[dst + f"norm{n}.bias"] = w.take(src + f"ln_{n}.bias", [h])
-    return out
-
-
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no GPT-2 counterpart, or '' when it has one."""
     if cfg.position_embedding != "learned" or cfg.normalization != "layernorm" or cfg.activation == "swiglu":
@@ -81,28 +87,6 @@ def compatible(cfg: TransformerConfig) -> str:
     if cfg.num_query_groups != cfg.num_attention_heads or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
         return "GPT-2 needs plain multi-head attention with head size hidden_size / heads"
     return ""
-
-
-def export_weights(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict (without the tied lm_head) from our logical tensors."""
-    out = {"transformer.wte.weight": sd["embedding.weight"], "transformer.wpe.weight": sd["position_embedding.weight"]}
-    for i in range(cfg.num_layers):
-        src, dst = f"layers.{i}.", f"transformer.h.{i}."
-        for n in ("1", "2"):
-            out[dst + f"ln_{n}.weight"] = sd[src + f"norm{n}.weight"]
-            out[dst + f"ln_{n}.bias"] = sd[src + f"norm{n}.bias"]
-        out[dst + "attn.c_attn.weight"] = torch.cat(split_qkv(sd[src + "attention.qkv.weight"], cfg)).t()
-        out[dst + "attn.c_attn.bias"] = torch.cat(split_qkv(sd[src + "attention.qkv.bias"], cfg))
-        out[dst + "attn.c_proj.weight"] = sd[src + "attention.proj.weight"].t()
-        out[dst + "attn.c_proj.bias"] = sd[src + "attention.proj.bias"]
-        out[dst + "mlp.c_fc.weight"] = sd[src + "mlp.fc1.weight"].t()
-        out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.fc1.bias"]
-        out[dst + "mlp.c_proj.weight"] = sd[src + "mlp.fc2.weight"].t()
-        out[dst + "mlp.c_proj.bias"] = sd[src + "mlp.fc2.bias"]
-    out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["final_norm.weight"], sd["final_norm.bias"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["output_weight"]
-    return out
 
 
 def hf_config(cfg: TransformerConfig) -> dict:

@@ -12,19 +12,37 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
-import torch
-
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFConfig, HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig
+from megatron_hydra.convert.name_map import QKV, NameMap, Rule, biased, tied, untied, weight_and_bias
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.config.transformer_config import TransformerConfig
 
-IGNORED = ("rotary_emb.inv_freq",)
+MODEL_TYPE, ARCH = "llama", "gpt"  # Hugging Face's model_type; our model.arch
 # Rotary tables are built per layer for seq_length positions; a model that allows 128k positions
 # trains at a shorter length, which the user raises with model.seq_length.
 MAX_DEFAULT_SEQ_LENGTH = 4096
+
+L, M, LAYERS = "layers.{i}.", "model.layers.{i}.", "num_layers"
+NAME_MAP = NameMap(
+    MODEL_TYPE,
+    rules=(
+        Rule("embedding.weight", "model.embed_tokens.weight"),
+        Rule("embedding.weight", "lm_head.weight", when=tied, tied=True),
+        Rule("output_weight", "lm_head.weight", when=untied),
+        Rule("final_norm.weight", "model.norm.weight"),
+        Rule(L + "norm1.weight", M + "input_layernorm.weight", per=LAYERS),
+        Rule(L + "attention.qkv.weight", tuple(f"{M}self_attn.{x}_proj.weight" for x in "qkv"), QKV, per=LAYERS),
+        Rule(L + "attention.qkv.bias", tuple(f"{M}self_attn.{x}_proj.bias" for x in "qkv"), QKV, per=LAYERS,
+             when=biased),
+        *weight_and_bias(L + "attention.proj", M + "self_attn.o_proj", per=LAYERS, bias=biased),
+        Rule(L + "norm2.weight", M + "post_attention_layernorm.weight", per=LAYERS),
+        *weight_and_bias(L + "mlp.gate", M + "mlp.gate_proj", per=LAYERS, bias=biased),
+        *weight_and_bias(L + "mlp.fc1", M + "mlp.up_proj", per=LAYERS, bias=biased),
+        *weight_and_bias(L + "mlp.fc2", M + "mlp.down_proj", per=LAYERS, bias=biased),
+    ),
+    ignored=("rotary_emb.inv_freq",),  # a buffer older files carry: not a weight
+)
 
 
 def _rope_theta(hf: HFConfig) -> float:
@@ -59,66 +77,11 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
     )
 
 
-def _linear(w: HFWeights, out: dict, src: str, dst: str, shape, bias: bool) -> None:
-    out[dst + ".weight"] = w.take(src + ".weight", shape)
-    if bias:
-        out[dst + ".bias"] = w.take(src + ".bias", shape[:1])
-
-
-def import_weights(w: HFWeights, cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """Our logical tensors (vocabulary unpadded) from a Llama state dict."""
-    h, f, v, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.kv_channels
-    qd, kd, bias = cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.add_bias_linear
-    out = {"embedding.weight": w.take("model.embed_tokens.weight", [v, h]),
-           "final_norm.weight": w.take("model.norm.weight", [h])}
-    if not cfg.tie_embeddings:
-        out["output_weight"] = w.take("lm_head.weight", [v, h])
-    elif "lm_head.weight" in w:
-        w.take("lm_head.weight", [v, h])
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        a = src + "self_attn."
-        out[dst + "attention.qkv.weight"] = fuse_qkv(w.take(a + "q_proj.weight", [qd, h]), w.take(a + "k_proj.weight", [kd, h]),
-                                                     w.take(a + "v_proj.weight", [kd, h]), cfg)
-        if bias:
-            out[dst + "attention.qkv.bias"] = fuse_qkv(w.take(a + "q_proj.bias", [qd]), w.take(a + "k_proj.bias", [kd]),
-                                                       w.take(a + "v_proj.bias", [kd]), cfg)
-        _linear(w, out, a + "o_proj", dst + "attention.proj", [h, qd], bias)
-        _linear(w, out, src + "mlp.gate_proj", dst + "mlp.gate", [f, h], bias)
-        _linear(w, out, src + "mlp.up_proj", dst + "mlp.fc1", [f, h], bias)
-        _linear(w, out, src + "mlp.down_proj", dst + "mlp.fc2", [h, f], bias)
-        out[dst + "norm1.weight"] = w.take(src + "input_layernorm.weight", [h])
-        out[dst + "norm2.weight"] = w.take(src + "post_attention_layernorm.weight", [h])
-    return out
-
-
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Llama counterpart, or '' when it has one."""
     if cfg.position_embedding != "rope" or cfg.normalization != "rmsnorm" or cfg.activation != "swiglu":
         return "Llama needs rope, rmsnorm and swiglu"
     return ""
-
-
-def export_weights(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """LlamaForCausalLM's state dict (lm_head only when untied) from our logical tensors."""
-    out = {"model.embed_tokens.weight": sd["embedding.weight"]}
-    names = (("attention.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc1", "mlp.up_proj"),
-             ("mlp.fc2", "mlp.down_proj"))
-    kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
-    for i in range(cfg.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = sd[src + "norm1.weight"]
-        for kind in kinds:
-            q, k, v = split_qkv(sd[src + f"attention.qkv.{kind}"], cfg)
-            out.update({dst + f"self_attn.q_proj.{kind}": q, dst + f"self_attn.k_proj.{kind}": k,
-                        dst + f"self_attn.v_proj.{kind}": v})
-            for ours, theirs in names:
-                out[dst + f"{theirs}.{kind}"] = sd[src + f"{ours}.{kind}"]
-        out[dst + "post_attention_layernorm.weight"] = sd[src + "norm2.weight"]
-    out["model.norm.weight"] = sd["final_norm.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["output_weight"]
-    return out
 
 
 def hf_config(cfg: TransformerConfig) -> dict:

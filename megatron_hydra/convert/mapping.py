@@ -1,10 +1,12 @@
-"""What the GPT-2 and Llama mappings share: the fused QKV layout, and a checked view of HF tensors.
+"""What every family's mapping shares: the fused attention layouts, and checked views of a
+Hugging Face ``config.json`` and state dict.
 
 Our attention keeps one fused QKV weight laid out per query group as [q heads of the group, k, v]
-(``models.transformer.Attention``), so that a TP rank's contiguous slice holds whole groups.
-Hugging Face keeps q, k and v as three blocks (Llama: three projections; GPT-2: one fused c_attn
-whose output is [all q | all k | all v]). ``fuse_qkv`` and ``split_qkv`` move between the two;
-they are exact inverses (pure reshapes and concatenations).
+(``models.transformer.Attention``), so that a TP rank's contiguous slice holds whole groups; T5's
+cross-attention fuses [k, v] per group the same way. Hugging Face keeps q, k and v as blocks
+(Llama, BERT, T5: separate projections; GPT-2: one fused c_attn whose output is
+[all q | all k | all v]). ``fuse_qkv`` / ``split_qkv`` and ``fuse_kv`` / ``split_kv`` move between
+the two; each pair is exact inverses (pure reshapes and concatenations).
 """
 
 from __future__ import annotations
@@ -33,6 +35,21 @@ def split_qkv(qkv: torch.Tensor, cfg: TransformerConfig) -> Tuple[torch.Tensor, 
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(g, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def fuse_kv(k: torch.Tensor, v: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
+    """[groups*d, ...] twice -> our [groups*2*d, ...], [k, v] per query group."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    rest = k.shape[1:]
+    return torch.cat([k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def split_kv(kv: torch.Tensor, cfg: TransformerConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_kv``."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    rest = kv.shape[1:]
+    pairs = kv.reshape(g, 2, d, *rest)
+    return pairs[:, 0].reshape(-1, *rest), pairs[:, 1].reshape(-1, *rest)
 
 
 _REQUIRED = object()
@@ -89,18 +106,4 @@ class HFWeights:
 
     def unused(self, ignore: Tuple[str, ...] = ()) -> List[str]:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(ignore))
-
-
-def check_against_model(ours: Dict[str, torch.Tensor], expected: Dict[str, List[int]], source: str) -> None:
-    """The converted tensors must be exactly the model's logical tensors (names and shapes)."""
-    for name, shape in expected.items():
-        if name not in ours:
-            raise CheckpointError(f"input={source}: nothing maps to our tensor {name}; this variant of the "
-                                  "architecture is not supported")
-        if list(ours[name].shape) != list(shape):
-            raise CheckpointError(f"input={source}: {name} converts to shape {list(ours[name].shape)}, the model "
-                                  f"needs {list(shape)}")
-    extra = sorted(set(ours) - set(expected))
-    if extra:
-        raise CheckpointError(f"input={source}: converted tensor {extra[0]} has no place in the model")
 

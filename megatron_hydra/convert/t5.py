@@ -1,4 +1,4 @@
-"""Hugging Face T5 (``T5ForConditionalGeneration``) -> our T5.
+"""Hugging Face T5 (``T5ForConditionalGeneration``) <-> our T5.
 
 - Attention: HF's q / k / v (no biases) are fused per head into our QKV layout; in the
   decoder's cross-attention (``EncDecAttention``) q stays alone and k / v are fused per head
@@ -13,113 +13,102 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
-import torch
+from typing import Tuple
 
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.convert.mapping import HFWeights, fuse_qkv, split_qkv
+from megatron_hydra.convert.mapping import HFConfig
+from megatron_hydra.convert.name_map import KV, QKV, NameMap, Rule, tied, untied
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.config.transformer_config import TransformerConfig
 
+MODEL_TYPE, ARCH = "t5", "t5"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"relu": "relu", "gated-gelu": "geglu"}
+BIAS = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+def _gated(cfg: TransformerConfig) -> bool:
+    return cfg.activation == "geglu"
+
+
+def _plain(cfg: TransformerConfig) -> bool:
+    return cfg.activation != "geglu"
+
+
+def _stack(stack: str, layers: str) -> Tuple[Rule, ...]:
+    """One stack's layers: self-attention, (decoder) cross-attention, then the MLP, each a
+    pre-norm sub-layer ``layer.<n>`` of HF's block."""
+    ours, theirs = f"{stack}.{{i}}.", f"{stack}.block.{{i}}.layer."
+    attention = theirs + "0.SelfAttention."
+    rules = [
+        Rule(ours + "norm1.weight", theirs + "0.layer_norm.weight", per=layers),
+        Rule(ours + "attention.qkv.weight", tuple(f"{attention}{x}.weight" for x in "qkv"), QKV, per=layers),
+        Rule(ours + "attention.proj.weight", attention + "o.weight", per=layers),
+    ]
+    ffn = 1
+    if stack == "decoder":
+        cross = theirs + "1.EncDecAttention."
+        rules += [
+            Rule(ours + "norm_cross.weight", theirs + "1.layer_norm.weight", per=layers),
+            Rule(ours + "cross_attention.q.weight", cross + "q.weight", per=layers),
+            Rule(ours + "cross_attention.kv.weight", (cross + "k.weight", cross + "v.weight"), KV, per=layers),
+            Rule(ours + "cross_attention.proj.weight", cross + "o.weight", per=layers),
+        ]
+        ffn = 2
+    mlp = f"{theirs}{ffn}.DenseReluDense."
+    return (*rules,
+            Rule(ours + "norm2.weight", f"{theirs}{ffn}.layer_norm.weight", per=layers),
+            Rule(ours + "mlp.gate.weight", mlp + "wi_0.weight", per=layers, when=_gated),
+            Rule(ours + "mlp.fc1.weight", mlp + "wi_1.weight", per=layers, when=_gated),
+            Rule(ours + "mlp.fc1.weight", mlp + "wi.weight", per=layers, when=_plain),
+            Rule(ours + "mlp.fc2.weight", mlp + "wo.weight", per=layers))
+
+
+NAME_MAP = NameMap(
+    MODEL_TYPE,
+    rules=(
+        Rule("embedding.weight", "shared.weight"),
+        Rule("embedding.weight", "encoder.embed_tokens.weight", tied=True),
+        Rule("embedding.weight", "decoder.embed_tokens.weight", tied=True),
+        Rule("embedding.weight", "lm_head.weight", when=tied, tied=True),
+        Rule("output_weight", "lm_head.weight", when=untied),
+        Rule("encoder_position_bias.weight", "encoder." + BIAS),
+        Rule("decoder_position_bias.weight", "decoder." + BIAS),
+        *_stack("encoder", "num_layers"),
+        Rule("encoder_norm.weight", "encoder.final_layer_norm.weight"),
+        *_stack("decoder", "num_decoder_layers"),
+        Rule("decoder_norm.weight", "decoder.final_layer_norm.weight"),
+    ),
+)
 
 
 def model_config(hf: dict, name: str) -> ModelConfig:
-    act = hf.get("feed_forward_proj", "relu")
+    hf = hf if isinstance(hf, HFConfig) else HFConfig(hf, "config.json")
+    act = hf.value("feed_forward_proj", str, "relu")
     if act not in ACTIVATIONS:
         raise ConfigError(f"T5 feed_forward_proj={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")
+    dropout = hf.value("dropout_rate", float, 0.1)
     return ModelConfig(
-        name=name, arch="t5", num_layers=hf["num_layers"], num_decoder_layers=hf.get("num_decoder_layers"),
-        hidden_size=hf["d_model"], num_attention_heads=hf["num_heads"], kv_channels=hf["d_kv"],
-        ffn_hidden_size=hf["d_ff"], seq_length=512, decoder_seq_length=128, vocab_size=hf["vocab_size"],
-        position_embedding="relative", normalization="rmsnorm", norm_eps=hf.get("layer_norm_epsilon", 1e-6),
-        activation=ACTIVATIONS[act], add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        hidden_dropout=hf.get("dropout_rate", 0.1), attention_dropout=hf.get("dropout_rate", 0.1),
-        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+        name=name, arch="t5", num_layers=hf.value("num_layers", int),
+        num_decoder_layers=hf.value("num_decoder_layers", int, None), hidden_size=hf.value("d_model", int),
+        num_attention_heads=hf.value("num_heads", int), kv_channels=hf.value("d_kv", int),
+        ffn_hidden_size=hf.value("d_ff", int), seq_length=512, decoder_seq_length=128,
+        vocab_size=hf.value("vocab_size", int), position_embedding="relative", normalization="rmsnorm",
+        norm_eps=hf.value("layer_norm_epsilon", float, 1e-6), activation=ACTIVATIONS[act], add_bias_linear=False,
+        tie_embeddings=hf.value("tie_word_embeddings", bool, True), hidden_dropout=dropout, attention_dropout=dropout,
+        relative_attention_num_buckets=hf.value("relative_attention_num_buckets", int, 32),
+        relative_attention_max_distance=hf.value("relative_attention_max_distance", int, 128),
     )
 
 
-def _mlp(w: HFWeights, out: dict, src: str, dst: str, cfg: TransformerConfig) -> None:
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    if cfg.activation == "geglu":
-        out[dst + "mlp.gate.weight"] = w.take(src + "wi_0.weight", [f, h])
-        out[dst + "mlp.fc1.weight"] = w.take(src + "wi_1.weight", [f, h])
-    else:
-        out[dst + "mlp.fc1.weight"] = w.take(src + "wi.weight", [f, h])
-    out[dst + "mlp.fc2.weight"] = w.take(src + "wo.weight", [h, f])
-
-
-def import_weights(w: HFWeights, cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """Our logical tensors (vocabulary unpadded) from a T5 state dict."""
-    h, v, inner = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads * cfg.kv_channels
-    out = {"embedding.weight": w.take("shared.weight", [v, h])}
-    buckets = [cfg.relative_attention_num_buckets, cfg.num_attention_heads]
-    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    out["encoder_position_bias.weight"] = w.take("encoder." + bias, buckets)
-    out["decoder_position_bias.weight"] = w.take("decoder." + bias, buckets)
-    for stack, layers in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
-        for i in range(layers):
-            src, dst = f"{stack}.block.{i}.layer.", f"{stack}.{i}."
-            a = src + "0.SelfAttention."
-            q, k, val = (w.take(a + f"{n}.weight", [inner, h]) for n in "qkv")
-            out[dst + "attention.qkv.weight"] = fuse_qkv(q, k, val, cfg)
-            out[dst + "attention.proj.weight"] = w.take(a + "o.weight", [h, inner])
-            out[dst + "norm1.weight"] = w.take(src + "0.layer_norm.weight", [h])
-            ff = 1
-            if stack == "decoder":
-                c = src + "1.EncDecAttention."
-                out[dst + "cross_attention.q.weight"] = w.take(c + "q.weight", [inner, h])
-                k, val = (w.take(c + f"{n}.weight", [inner, h]) for n in "kv")
-                g, d = cfg.num_query_groups, cfg.kv_channels
-                out[dst + "cross_attention.kv.weight"] = torch.cat([k.reshape(g, d, h), val.reshape(g, d, h)], 1).reshape(-1, h)
-                out[dst + "cross_attention.proj.weight"] = w.take(c + "o.weight", [h, inner])
-                out[dst + "norm_cross.weight"] = w.take(src + "1.layer_norm.weight", [h])
-                ff = 2
-            _mlp(w, out, src + f"{ff}.DenseReluDense.", dst, cfg)
-            out[dst + "norm2.weight"] = w.take(src + f"{ff}.layer_norm.weight", [h])
-        out[f"{stack}_norm.weight"] = w.take(f"{stack}.final_layer_norm.weight", [h])
-    if not cfg.tie_embeddings:
-        out["output_weight"] = w.take("lm_head.weight", [v, h])
-    return out
-
-
-def export_weights(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
-    """A ``T5ForConditionalGeneration`` state dict from our logical tensors."""
-    h = cfg.hidden_size
-    out = {"shared.weight": sd["embedding.weight"], "encoder.embed_tokens.weight": sd["embedding.weight"],
-           "decoder.embed_tokens.weight": sd["embedding.weight"],
-           "lm_head.weight": sd["embedding.weight"] if cfg.tie_embeddings else sd["output_weight"]}
-    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    out["encoder." + bias] = sd["encoder_position_bias.weight"]
-    out["decoder." + bias] = sd["decoder_position_bias.weight"]
-    for stack, layers in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
-        for i in range(layers):
-            src, dst = f"{stack}.{i}.", f"{stack}.block.{i}.layer."
-            q, k, v = split_qkv(sd[src + "attention.qkv.weight"], cfg)
-            out.update({dst + "0.SelfAttention.q.weight": q, dst + "0.SelfAttention.k.weight": k,
-                        dst + "0.SelfAttention.v.weight": v})
-            out[dst + "0.SelfAttention.o.weight"] = sd[src + "attention.proj.weight"]
-            out[dst + "0.layer_norm.weight"] = sd[src + "norm1.weight"]
-            ff = 1
-            if stack == "decoder":
-                c = dst + "1.EncDecAttention."
-                kv = sd[src + "cross_attention.kv.weight"].reshape(cfg.num_query_groups, 2, cfg.kv_channels, h)
-                out[c + "q.weight"] = sd[src + "cross_attention.q.weight"]
-                out[c + "k.weight"], out[c + "v.weight"] = kv[:, 0].reshape(-1, h), kv[:, 1].reshape(-1, h)
-                out[c + "o.weight"] = sd[src + "cross_attention.proj.weight"]
-                out[dst + "1.layer_norm.weight"] = sd[src + "norm_cross.weight"]
-                ff = 2
-            m = dst + f"{ff}.DenseReluDense."
-            if cfg.activation == "geglu":
-                out[m + "wi_0.weight"], out[m + "wi_1.weight"] = sd[src + "mlp.gate.weight"], sd[src + "mlp.fc1.weight"]
-            else:
-                out[m + "wi.weight"] = sd[src + "mlp.fc1.weight"]
-            out[m + "wo.weight"] = sd[src + "mlp.fc2.weight"]
-            out[dst + f"{ff}.layer_norm.weight"] = sd[src + "norm2.weight"]
-        out[f"{stack}.final_layer_norm.weight"] = sd[f"{stack}_norm.weight"]
-    return out
+def compatible(cfg: TransformerConfig) -> str:
+    """Why ``cfg`` has no T5 counterpart, or '' when it has one."""
+    if cfg.normalization != "rmsnorm" or cfg.activation not in ACTIVATIONS.values():
+        return "T5 needs rmsnorm and relu or geglu"
+    if cfg.add_bias_linear:
+        return "T5 has no biases (model.add_bias_linear=false)"
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        return "T5 needs plain multi-head attention"
+    return ""
 
 
 def hf_config(cfg: TransformerConfig) -> dict:

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config import Derived, RunConfig, bundled, derive
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning.performance import CALIBRATED, Constants, Layout, StepTime, estimate
 
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
 
 @dataclass(frozen=True)
@@ -131,8 +129,7 @@ def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options
 
 def _command(base: Sequence[str], cand: Candidate, cluster: ClusterConfig) -> str:
     launcher = ["-m", "hydra/launcher=slurm"] if cluster.num_nodes > 1 else []
-    precision = ["precision=bf16"] if os.path.exists(os.path.join(CONF, "precision", "bf16.yaml")) else [
-        "precision.params_dtype=bfloat16"]
+    precision = ["precision=bf16"] if bundled.has_option("precision", "bf16") else ["precision.params_dtype=bfloat16"]
     trainer = ["trainer=gpu", f"trainer.devices={cluster.gpus_per_node}", f"trainer.num_nodes={cluster.num_nodes}"]
     return " ".join(["python launch.py", *launcher, *base, *precision, *trainer, *cand.overrides])
 

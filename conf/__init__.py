@@ -1,0 +1,1 @@
+"""conf/ is also the package ``megatron_hydra.conf`` (see ``megatron_hydra/config/bundled.py``)."""

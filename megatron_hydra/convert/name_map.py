@@ -1,0 +1,167 @@
+"""One declarative name map per model family, walked in both directions.
+
+A family (``convert/gpt2.py``, ``llama.py``, ``bert.py``, ``t5.py``) lists rules (``Rule``): our
+tensor name, the Hugging Face name(s), and the ``Transform`` between them when it is not the
+identity. ``{i}`` in a name is a layer index, over ``range(getattr(cfg, rule.per))``;
+``rule.when(cfg)`` says whether the tensor exists in this variant (biases, a gated MLP, an untied
+head, ...). The same table drives ``import_weights`` and ``export_weights``, and every transform
+is a pair of exact inverses, so the two directions cannot drift apart.
+
+The Hugging Face shapes that an import checks are written nowhere: they are our model's logical
+shapes sent through the export direction on the meta device, so a ``config.json`` that does not
+match its weights still fails in one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from megatron_hydra.convert.mapping import HFWeights, fuse_kv, fuse_qkv, split_kv, split_qkv
+from megatron_hydra.errors import CheckpointError, ConfigError
+from megatron_hydra.models.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class Transform:
+    """``to_ours(*theirs, cfg)`` -> our tensor, and its exact inverse ``to_theirs(ours, cfg)`` ->
+    their tensors, in the order of ``Rule.theirs``."""
+
+    to_ours: Callable[..., torch.Tensor]
+    to_theirs: Callable[[torch.Tensor, TransformerConfig], Tuple[torch.Tensor, ...]]
+
+
+IDENTITY = Transform(lambda t, cfg: t, lambda t, cfg: (t,))
+# A Conv1D (GPT-2) stores [in, out], the transpose of a linear layer's weight.
+TRANSPOSE = Transform(lambda t, cfg: t.t(), lambda t, cfg: (t.t(),))
+# Separate q, k, v projections <-> our QKV fused per query group (mapping.fuse_qkv).
+QKV = Transform(lambda q, k, v, cfg: fuse_qkv(q, k, v, cfg), split_qkv)
+# Separate k, v projections <-> our cross-attention KV fused per query group (mapping.fuse_kv).
+KV = Transform(lambda k, v, cfg: fuse_kv(k, v, cfg), split_kv)
+
+
+def always(cfg: TransformerConfig) -> bool:
+    return True
+
+
+def tied(cfg: TransformerConfig) -> bool:
+    return cfg.tie_embeddings
+
+
+def untied(cfg: TransformerConfig) -> bool:
+    return not cfg.tie_embeddings
+
+
+def biased(cfg: TransformerConfig) -> bool:
+    return cfg.add_bias_linear
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our tensor ``ours`` is the Hugging Face tensor(s) ``theirs`` through ``transform``.
+
+    ``tied``: ``theirs`` is the same tensor as another rule's (an output head tied to the word
+    embedding): written when a full state dict is asked for, as ``transformers`` holds it, left out
+    of files, as ``save_pretrained`` does, and on import checked when present, then skipped."""
+
+    ours: str
+    theirs: Union[str, Tuple[str, ...]]
+    transform: Transform = IDENTITY
+    per: Optional[str] = None  # the TransformerConfig field that counts the layers {i} runs over
+    when: Callable[[TransformerConfig], bool] = always
+    tied: bool = False
+
+    def instances(self, cfg: TransformerConfig) -> Iterator[Tuple[str, Tuple[str, ...]]]:
+        """(our name, their names) for every layer this rule covers in ``cfg``."""
+        if not self.when(cfg):
+            return
+        theirs = (self.theirs,) if isinstance(self.theirs, str) else self.theirs
+        if self.per is None:
+            yield self.ours, theirs
+            return
+        for i in map(str, range(getattr(cfg, self.per))):
+            yield self.ours.replace("{i}", i), tuple(t.replace("{i}", i) for t in theirs)
+
+
+def weight_and_bias(ours: str, theirs: str, per: Optional[str] = None, bias: Callable = always,
+                    when: Callable = always) -> Tuple[Rule, Rule]:
+    """``.weight`` and (where ``bias(cfg)``) ``.bias`` of a layer stored alike on both sides."""
+    return (Rule(f"{ours}.weight", f"{theirs}.weight", per=per, when=when),
+            Rule(f"{ours}.bias", f"{theirs}.bias", per=per, when=lambda cfg: when(cfg) and bias(cfg)))
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """A family's whole table. ``ignored``: suffixes of tensors in Hugging Face files that an
+    import leaves out (buffers older files carry; heads the imported variant has no place for).
+    ``optional_prefix``: the full model's names start with it, the bare model's (``GPT2Model``
+    rather than ``GPT2LMHeadModel``) do not."""
+
+    family: str  # Hugging Face model_type, for messages
+    rules: Tuple[Rule, ...]
+    ignored: Tuple[str, ...] = ()
+    optional_prefix: str = ""
+
+
+def _their_shapes(rule: Rule, ours: str, shapes: Dict[str, List[int]], cfg: TransformerConfig) -> List[List[int]]:
+    meta = torch.empty(shapes[ours], device="meta")
+    return [list(t.shape) for t in rule.transform.to_theirs(meta, cfg)]
+
+
+def import_weights(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
+                   shapes: Dict[str, List[int]]) -> Dict[str, torch.Tensor]:
+    """Our logical tensors (vocabulary unpadded) from a Hugging Face state dict, for the model
+    whose logical tensors are ``shapes``. Every tensor of the model must come from the table, and
+    every tensor of the files must go into it (``name_map.ignored`` aside)."""
+    source, prefix = weights.source, name_map.optional_prefix
+    bare = bool(prefix) and not any(n.startswith(prefix) for n in weights.tensors)
+
+    def hf(name: str) -> str:
+        return name[len(prefix):] if bare and name.startswith(prefix) else name
+
+    out: Dict[str, torch.Tensor] = {}
+    for rule in name_map.rules:
+        for ours, theirs in rule.instances(cfg):
+            if ours not in shapes:
+                raise CheckpointError(f"input={source}: converted tensor {ours} has no place in the model")
+            expected = _their_shapes(rule, ours, shapes, cfg)
+            if rule.tied:
+                for name, shape in zip(theirs, expected):
+                    if hf(name) in weights:
+                        weights.take(hf(name), shape)  # the tied copy some files carry
+                continue
+            tensors = [weights.take(hf(name), shape) for name, shape in zip(theirs, expected)]
+            out[ours] = rule.transform.to_ours(*tensors, cfg)
+    missing = [name for name in shapes if name not in out]
+    if missing:
+        raise CheckpointError(f"input={source}: nothing maps to our tensor {missing[0]}; this variant of the "
+                              "architecture is not supported")
+    leftover = weights.unused(name_map.ignored)
+    if leftover:
+        raise CheckpointError(f"input={source}: tensor {leftover[0]} has no place in a {name_map.family} model of "
+                              "this config; this variant is not supported")
+    return out
+
+
+def export_weights(name_map: NameMap, state: Dict[str, torch.Tensor], cfg: TransformerConfig,
+                   with_tied: bool = True) -> Dict[str, torch.Tensor]:
+    """A Hugging Face state dict from our logical tensors (vocabulary unpadded). ``with_tied``:
+    include the tied copies, as the model's ``state_dict()`` does; files leave them out."""
+    out: Dict[str, torch.Tensor] = {}
+    used = set()
+    for rule in name_map.rules:
+        for ours, theirs in rule.instances(cfg):
+            used.add(ours)
+            if ours not in state:
+                raise ConfigError(f"this model has no tensor {ours}, which a Hugging Face {name_map.family} model "
+                                  "needs: this variant cannot be exported")
+            if rule.tied and not with_tied:
+                continue
+            out.update(zip(theirs, rule.transform.to_theirs(state[ours], cfg)))
+    extra = sorted(set(state) - used)
+    if extra:
+        raise ConfigError(f"our tensor {extra[0]} has no place in a Hugging Face {name_map.family} model: "
+                          "this variant cannot be exported")
+    return out
