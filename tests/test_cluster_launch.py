@@ -231,7 +231,7 @@ def test_slurm_warning_signal_saves_then_requeues_once(tmp_path, env_no_launcher
 # Optuna sweep of multi-process runs -----------------------------------------------------------------
 def test_optuna_sweep_of_two_rank_runs_reports_the_best_trial(tmp_path, env_no_launcher):
     out = subprocess.run(
-        launch_cmd("-m", "hydra/sweeper=lr_search", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=3",
+        launch_cmd("-m", "hydra/sweeper=lr_search", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2",
                    "trainer.devices=2", *[o for o in SMALL if not o.startswith("optim.warmup_steps=")],
                    "optim.warmup_steps=choice(0,1)", "trainer.max_steps=2", "trainer.val_check_interval=2",
                    "trainer.limit_val_batches=1", "checkpoint.save_last=false", f"hydra.sweep.dir={tmp_path}"),
@@ -242,7 +242,7 @@ def test_optuna_sweep_of_two_rank_runs_reports_the_best_trial(tmp_path, env_no_l
         rows = read_metrics(job)
         finals[job.name] = [r["val_loss"] for r in rows if "val_loss" in r][-1]
         assert yaml.safe_load((job / "derived.yaml").read_text())["world_size"] == 2
-    assert sorted(finals) == ["0", "1", "2"]
+    assert sorted(finals) == ["0", "1"]
     result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     assert result["best_value"] == pytest.approx(min(finals.values()), rel=1e-12)
     best_job = min(finals, key=finals.get)

@@ -56,6 +56,7 @@ def _steps(cfg: TransformerConfig, ps: ParallelState, steps: int = 2):
 
 
 def _assert_bitwise(ours, ref):
+    assert len(ours) == len(ref)
     for (loss, grads, _), (ref_loss, ref_grads, _) in zip(ours, ref):
         assert torch.equal(loss, ref_loss)
         assert grads.keys() == ref_grads.keys()

@@ -5,7 +5,9 @@ the local rendezvous port a launcher or a test picks for its ranks."""
 from __future__ import annotations
 
 import os
+import random
 import socket
+from typing import Tuple
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -48,7 +50,29 @@ def read_config(path: str) -> RunConfig:
         return from_yaml(f.read(), path)
 
 
+def _ephemeral_range() -> Tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A local TCP port that is free now, for a rendezvous store that binds it a moment later.
+    It is drawn below the kernel's ephemeral range: outgoing connections (other runs' store
+    clients) take their ports from that range, and one of them could take a port picked there
+    between this check and the bind (EADDRINUSE at rank 0's store)."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    for port in random.Random().sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything tried is taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
