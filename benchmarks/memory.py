@@ -38,8 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_hydra.models.transformer import Block  # noqa: E402
 from megatron_hydra.config.transformer_config import TransformerConfig  # noqa: E402
+from megatron_hydra.models.transformer import Block  # noqa: E402
 from megatron_hydra.parallel.random import seed_model_parallel  # noqa: E402
 from megatron_hydra.parallel.recompute import run_layers  # noqa: E402
 from megatron_hydra.parallel.state import ParallelState  # noqa: E402

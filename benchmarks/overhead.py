@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from megatron_hydra.config import derive, register_configs
-from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.data.builders import build_datasets
+from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.launcher import run
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights

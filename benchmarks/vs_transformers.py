@@ -29,9 +29,9 @@ from typing import Callable, Dict, List
 import torch
 
 from megatron_hydra.config.derive import padded_vocab_size
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
-from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.state import ParallelState
 
 HIDDEN, HEADS, VOCAB, LLAMA_FFN = 768, 12, 50257, 2048

@@ -14,13 +14,13 @@ import torch
 
 from conftest import ROOT, SMALL, assert_same_trajectory, run_training
 from megatron_hydra.checkpoint.sharded import logical_shapes
+from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
 from megatron_hydra.convert.mapping import HFWeights
 from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.models.bert import BertModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
-from megatron_hydra.config import RunConfig, derive
 
 try:
     import transformers

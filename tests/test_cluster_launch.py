@@ -16,9 +16,9 @@ import yaml
 from conftest import SMALL, compose_config, launch_cmd, read_metrics, run_training
 from megatron_hydra import slurm
 from megatron_hydra.config import derive
+from megatron_hydra.config.io import free_port
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.launcher import ExternalLaunch, check_external_layout, detect_external
-from megatron_hydra.config.io import free_port
 
 STEPS = 3
 FP64 = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}"]

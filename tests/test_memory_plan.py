@@ -16,9 +16,9 @@ import torch
 
 from conftest import ROOT, SMALL, compose_config, spawn_ranks
 from megatron_hydra.config import derive
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.models.transformer import Block
-from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState

@@ -13,10 +13,10 @@ import torch
 
 from conftest import SMALL, compose_config, run_training, spawn_ranks
 from megatron_hydra.config import derive
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
-from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel import recompute
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_same_trajectory, run_training
-from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.checkpoint.sharded import logical_shapes
+from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.mapping import HFWeights
 from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.convert.t5 import NAME_MAP, hf_config, model_config

@@ -15,8 +15,8 @@ from typing import List, Tuple
 import torch
 
 from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.errors import ConfigError
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = {

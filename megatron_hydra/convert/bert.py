@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_hydra.config.schema import ModelConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import QKV, NameMap, Rule, weight_and_bias
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 MODEL_TYPE, ARCH = "bert", "bert"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}

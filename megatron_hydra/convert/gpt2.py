@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from megatron_hydra.config.schema import ModelConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFConfig, fuse_qkv, split_qkv
 from megatron_hydra.convert.name_map import TRANSPOSE, NameMap, Rule, Transform, tied, untied, weight_and_bias
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 MODEL_TYPE, ARCH = "gpt2", "gpt"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

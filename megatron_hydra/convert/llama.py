@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 from megatron_hydra.config.schema import ModelConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import QKV, NameMap, Rule, biased, tied, untied, weight_and_bias
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 MODEL_TYPE, ARCH = "llama", "gpt"  # Hugging Face's model_type; our model.arch
 # Rotary tables are built per layer for seq_length positions; a model that allows 128k positions

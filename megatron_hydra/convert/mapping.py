@@ -16,8 +16,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_hydra.errors import CheckpointError
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.errors import CheckpointError
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:

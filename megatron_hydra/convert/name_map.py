@@ -19,9 +19,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFWeights, fuse_kv, fuse_qkv, split_kv, split_qkv
 from megatron_hydra.errors import CheckpointError, ConfigError
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 @dataclass(frozen=True)

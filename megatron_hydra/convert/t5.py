@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Tuple
 
 from megatron_hydra.config.schema import ModelConfig
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import KV, QKV, NameMap, Rule, tied, untied
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 MODEL_TYPE, ARCH = "t5", "t5"  # Hugging Face's model_type; our model.arch
 ACTIVATIONS = {"relu": "relu", "gated-gelu": "geglu"}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.data.bert_dataset import BERT_SPECIALS, BertDataset, check_vocab_covers, special_tokens
 from megatron_hydra.data.builders import build_tokenizer_for
 from megatron_hydra.data.t5_dataset import T5_SPECIALS, T5Dataset
-from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 def dataset_factory(data_cfg, tcfg: TransformerConfig, seed: int) -> Optional[Callable]:

@@ -24,8 +24,8 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from megatron_hydra.data.sentence_samples import build_samples_mapping
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.sentence_samples import build_samples_mapping
 from megatron_hydra.errors import DataError
 
 NUM_SENTINELS = 100

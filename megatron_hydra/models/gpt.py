@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from megatron_hydra.models.transformer import TransformerStack, build_norm
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.models.transformer import TransformerStack, build_norm
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import PositionEmbedding, VocabParallelEmbedding, sharded_param, vocab_parallel_logits
 from megatron_hydra.parallel.random import dropout

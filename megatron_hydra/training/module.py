@@ -28,10 +28,10 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
-from megatron_hydra.training.guard import check_finite
 from megatron_hydra.planning.flops import model_flops_per_step
-from megatron_hydra.training.precision import DynamicLossScaler
+from megatron_hydra.training.guard import check_finite
 from megatron_hydra.training.lr_schedule import lr_at
+from megatron_hydra.training.precision import DynamicLossScaler
 
 
 def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):

@@ -13,7 +13,6 @@ from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
-from megatron_hydra.training.checkpointing import CheckpointCallback
 from megatron_hydra.checkpoint.plan import start_point
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.data.arch_datasets import dataset_factory
@@ -21,6 +20,7 @@ from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState, device_for
+from megatron_hydra.training.checkpointing import CheckpointCallback
 from megatron_hydra.training.loggers import build_loggers
 from megatron_hydra.training.module import LMModule
 from megatron_hydra.training.strategy import MegatronStrategy
