@@ -115,7 +115,22 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         strategy = self.trainer.strategy
-        opt = self.optimizers()
+        step = self.trainer.global_step
+        loss, lr, skipped = self.optimizer_step_over(batch, strategy, self.optimizers(), step)
+        check_finite(step, loss, strategy.last_grad_norm, skipped)
+        self.consumed_samples += self.cfg.data.global_batch_size
+        self._log_step(loss, lr, strategy.last_grad_norm)
+        if self.loss_scaler is not None:
+            self.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+            self.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False,
+                     rank_zero_only=True, batch_size=1)
+
+    def optimizer_step_over(self, batch: Dict[str, torch.Tensor], strategy, optimizer, step: int):
+        """Forward, backward and the optimizer step over this rank's share of one global batch.
+        Lightning's ``training_step`` calls it with its wrapped optimizer (whose ``step`` goes
+        through ``strategy.optimizer_step``); the dry run (``training.dry_run``) calls it without a
+        Trainer. Returns the loss averaged over data-parallel ranks, the step's learning rate, and
+        whether fp16's loss scaler skipped the step."""
         strategy.zero_grad()
         if self.derived.pp > 1:
             # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
@@ -126,21 +141,19 @@ class LMModule(pl.LightningModule):
                                                 **self._stage_inputs(batch)) / scale
         else:
             loss = self._accumulate(batch, strategy)
-        step = self.trainer.global_step
         lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        for group in opt.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = lr
         skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
-        opt.step()
-        loss = self._dp_mean(loss)
+        optimizer.step()
         skipped = self.loss_scaler is not None and self.loss_scaler.skipped_steps > skipped_before
-        check_finite(step, loss, strategy.last_grad_norm, skipped)
-        self.consumed_samples += self.cfg.data.global_batch_size
-        self._log_step(loss, lr, strategy.last_grad_norm)
-        if self.loss_scaler is not None:
-            self.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
-            self.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False,
-                     rank_zero_only=True, batch_size=1)
+        return self._dp_mean(loss), lr, skipped
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self._trainer is not None:
+            self.manual_backward(loss)
+        else:  # driven without a Trainer (the dry run)
+            loss.backward()
 
     def _accumulate(self, batch: Dict[str, torch.Tensor], strategy) -> torch.Tensor:
         """pp = 1: forward and backward micro-batch by micro-batch; returns the mean loss."""
@@ -150,7 +163,7 @@ class LMModule(pl.LightningModule):
             last = i == len(micro) - 1
             with strategy.block_backward_sync() if not last else nullcontext():
                 loss = self.microbatch_loss(mb)
-                self.manual_backward(loss * self.loss_scale / len(micro))
+                self._backward(loss * self.loss_scale / len(micro))
             total += loss.detach()
         return total / len(micro)
 
