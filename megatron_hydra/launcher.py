@@ -377,6 +377,11 @@ def run(cfg: RunConfig) -> Optional[float]:
 
         print(plan_memory(cfg, derived).table())
         return None
+    if cfg.mode == "dry_run":  # one step of chosen ranks in this process, on a fake group and fake GPU
+        from megatron_hydra.training.dry_run import run_dry_run
+
+        run_dry_run(cfg, derived)
+        return None
     external = detect_external()
     for path, key in run_dirs(cfg):  # every rank writes there: found now, not at the first save
         lifecycle.check_writable(path, key)

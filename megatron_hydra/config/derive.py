@@ -30,7 +30,7 @@ CHOICES = {
     "trainer.accelerator": ("cpu", "gpu"),
     "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5"),
     "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe"),
-    "mode": ("train", "plan", "plan_layouts"),
+    "mode": ("train", "plan", "plan_layouts", "dry_run"),
     "recompute.method": ("uniform", "block"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),

@@ -219,6 +219,16 @@ class ClusterConfig:
 
 
 @dataclass
+class DryRunConfig:
+    """``mode=dry_run`` (``megatron_hydra.training.dry_run``)."""
+
+    # Global ranks to simulate; null -> every distinct rank position (first/middle/last pipeline
+    # stage x first/last tensor-parallel rank, plus the last data-parallel rank with the
+    # distributed optimizer).
+    ranks: Optional[List[int]] = None
+
+
+@dataclass
 class RunConfig:
     """The whole composed config (``conf/config.yaml``)."""
 
@@ -233,8 +243,10 @@ class RunConfig:
     # The cluster the layout planner plans for (mode=plan_layouts); null when not planning.
     cluster: Optional[ClusterConfig] = None
     # train | plan (print the per-rank memory plan, no training) | plan_layouts (rank parallel layouts
-    # for the cluster given by cluster=..., no training)
+    # for the cluster given by cluster=..., no training) | dry_run (one real step of chosen ranks of
+    # the job on a CPU: fake process group, fake GPU tensors; docs/dry_run.md)
     mode: str = "train"
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     seed: int = 1234
     # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.
     run_dir: str = MISSING

@@ -34,6 +34,13 @@ def grad_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if param_dtype in HALF_DTYPES else param_dtype
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same element of the same storage. (Comparing
+    ``data_ptr`` says the same for real tensors, but the dry run's fake tensors have no data:
+    their pointers are offsets, equal for unrelated tensors.)"""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+
+
 def main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The gradient of ``p`` as the buffer holds it. A 16-bit grad that autograd left in
     ``p.grad`` without the hook seeing it (a pipeline schedule that assigns weight grads by hand)
@@ -41,7 +48,7 @@ def main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     buffered = getattr(p, "main_grad", None)
     if buffered is None:
         return p.grad
-    if p.grad is not None and p.grad.data_ptr() != buffered.data_ptr():
+    if p.grad is not None and not same_memory(p.grad, buffered):
         buffered.add_(p.grad)
         p.grad = None
     return buffered
@@ -133,7 +140,7 @@ class GradBuffer:
         for p in self.offsets:
             if self.separate:
                 p.grad = None
-            elif p.grad is None or p.grad.data_ptr() != p.main_grad.data_ptr():
+            elif p.grad is None or not same_memory(p.grad, p.main_grad):
                 p.grad = p.main_grad
         for bucket in self.buckets:
             bucket.ready, bucket.handle = 0, None

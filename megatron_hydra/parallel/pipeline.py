@@ -55,7 +55,13 @@ from torch.distributed.pipelining import (
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.data_parallel import main_grad
-from megatron_hydra.parallel.pipeline_runtime import HookedStage, check_supported, keep_forward_actions
+from megatron_hydra.parallel.pipeline_runtime import (
+    HookedStage,
+    check_supported,
+    keep_forward_actions,
+    moves_no_data,
+    skip_warmup_vote,
+)
 from megatron_hydra.parallel.state import ParallelState
 
 SCHEDULES = {
@@ -122,10 +128,14 @@ class Pipeline:
     only observes (``pipeline_runtime.HookedStage.on_action``)."""
 
     def __init__(self, chunks: Sequence[nn.Module], stages: Sequence[int], ps: ParallelState, schedule: str,
-                 num_microbatches: int, loss_fn: Callable, device: torch.device):
+                 num_microbatches: int, loss_fn: Callable, device: torch.device,
+                 stage_io: Optional[Callable[[int], tuple]] = None):
         self.chunks, self.stages, self.ps = list(chunks), list(stages), ps
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.loss_fn, self.device = loss_fn, device
+        # stage index -> (input, output) meta tensors of one micro-batch: stages that know their
+        # shapes skip torch's shape inference (a point-to-point round of metadata at the first step).
+        self.stage_io = stage_io
         check_supported()
         self.num_stages = ps.pp_size * len(self.chunks)
         self.holds_last = self.num_stages - 1 in self.stages
@@ -135,14 +145,17 @@ class Pipeline:
         self.tied = [p for c in self.chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
 
     def _build(self, train: bool):
+        io = {index: self.stage_io(index) if self.stage_io else (None, None) for index in self.stages}
         stages = [HookedStage(_Stage(chunk), index, self.num_stages, self.device, group=self.ps.pp_group,
-                              after_weight_grads=_fold_weight_grads)
+                              input_args=io[index][0], output_args=io[index][1], after_weight_grads=_fold_weight_grads)
                   for chunk, index in zip(self.chunks, self.stages)]
         for stage in stages if train else ():
             stage.on_action = self._record
         cls = SCHEDULES[self.schedule_name]
         first = stages[0] if cls is Schedule1F1B else stages
         schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+        if self.stage_io is not None and moves_no_data(self.ps.pp_group):
+            skip_warmup_vote(schedule)
         if not train:
             keep_forward_actions(schedule)
         return schedule

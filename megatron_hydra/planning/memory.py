@@ -64,6 +64,11 @@ Outside the layers (Korthikanti's and Megatron's accounting): the first stage ke
 the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
 (max(4, v) sbV/t, fp32 for 16-bit logits) with its targets (8 sb).
 
+Pipeline buffers (``pipeline_buffer_bytes``): torch's pipeline stages allocate, once, a receive
+buffer per micro-batch for the activation they receive and another for the gradient that comes
+back, n x v sbh r each (n micro-batches per step); the dry run measured them (0.75 GiB per
+direction on gpt_175b's tp8 pp16 ranks at 16 micro-batches).
+
 Pipeline in-flight micro-batches (activations a rank holds at its peak), each a chunk's worth:
 1F1B: pipeline rank i holds min(pp - i, n) micro-batches (n = micro-batches per step); interleaved
 (and zero-bubble, which runs the same warm-up): 2 (pp - i - 1) + (vpp - 1) pp + 1 chunk
@@ -219,6 +224,22 @@ def _chunk_activations(n_layers: int, tc: TransformerConfig, full: float, select
     return stored, replay
 
 
+def pipeline_buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int) -> int:
+    """Receive buffers torch's pipeline stages keep for the whole run: one per micro-batch for the
+    activation each stage receives (all but the first stage) and one per micro-batch for the
+    gradient it receives back (all but the last), each [micro_batch, seq (/tp under SP), hidden]
+    in the parameter dtype. A neighbour stage on the same rank (ZB-V's turn) hands over directly."""
+    if derived.pp == 1:
+        return 0
+    tc = derived.transformer
+    seq = tc.seq_length // derived.tp if tc.sequence_parallel else tc.seq_length
+    one = cfg.data.micro_batch_size * seq * tc.hidden_size * tc.params_dtype.itemsize
+    schedule, last = cfg.parallel.pipeline_schedule, len(derived.layers_per_stage) - 1
+    stages = stage_indices(pp_rank, derived.pp, derived.vpp, schedule)
+    remote = [n for s in stages for n in (s - 1, s + 1) if 0 <= n <= last and n not in stages]
+    return len(remote) * derived.num_microbatches * one
+
+
 def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: int) -> int:
     """Chunk forwards (micro-batch x model chunk) whose activations pipeline rank ``pp_rank``
     holds at once at its peak (module docstring)."""
@@ -242,11 +263,17 @@ class RankMemory:
     main_weight_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    pipeline_buffer_bytes: int = 0
+
+    @property
+    def static_bytes(self) -> int:
+        """What a rank holds from its first step to its last (all but the activations)."""
+        return (self.weight_bytes + self.grad_bytes + self.main_weight_bytes + self.optimizer_bytes
+                + self.pipeline_buffer_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return (self.weight_bytes + self.grad_bytes + self.main_weight_bytes + self.optimizer_bytes
-                + self.activation_bytes)
+        return self.static_bytes + self.activation_bytes
 
 
 @dataclass
@@ -266,13 +293,14 @@ class MemoryPlan:
         return self.peak.total_bytes <= self.device_bytes
 
     def table(self) -> str:
-        cols = ("params", "weights", "grads", "main wts", "optimizer", "activations", "total")
+        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p buffers", "activations", "total")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
         unit, size = ("GiB", GIB) if self.peak.total_bytes >= GIB else ("MiB", 2**20)
         lines = [self.title] if self.title else []
         lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>13}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
-            values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.activation_bytes, r.total_bytes)
+            values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.pipeline_buffer_bytes,
+                      r.activation_bytes, r.total_bytes)
             lines.append(f"{r.position:<{width}}{_count(r.params):>13}" + "".join(f"{x / size:>13.2f}" for x in values))
         peak = self.peak
         verdict = "fits" if self.fits else f"does NOT fit: short by {(peak.total_bytes - self.device_bytes) / GIB:.2f} GiB"
@@ -345,7 +373,8 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
-    return RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer, round(activations))
+    return RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer, round(activations),
+                      pipeline_buffer_bytes(cfg, derived, pp_rank))
 
 
 def _merge(rows: List[RankMemory]) -> List[RankMemory]:

@@ -92,8 +92,23 @@ class LMModule(pl.LightningModule):
         """Built on first use, once Lightning has moved the chunks to their device."""
         if self._pipeline is None:
             self._pipeline = Pipeline(list(self.model), self._stages, self.ps, self.cfg.parallel.pipeline_schedule,
-                                      self.derived.num_microbatches, self._scaled_masked_mean, self.device)
+                                      self.derived.num_microbatches, self._scaled_masked_mean, self.device,
+                                      stage_io=self._stage_io)
         return self._pipeline
+
+    def _stage_io(self, stage: int):
+        """(input, output) of virtual stage ``stage`` for one micro-batch, as meta tensors: token
+        ids into the first stage, the hidden state between stages (this rank's sequence slice
+        under sequence parallelism), the per-token loss out of the last (BERT appends a column:
+        each sample's sentence-order loss)."""
+        tcfg, mb = self.derived.transformer, self.cfg.data.micro_batch_size
+        seq = tcfg.seq_length
+        local_seq = seq // self.ps.tp_size if tcfg.sequence_parallel else seq
+        hidden = torch.empty(mb, local_seq, tcfg.hidden_size, dtype=tcfg.params_dtype, device="meta", requires_grad=True)
+        tokens = torch.empty(mb, seq, dtype=torch.int64, device="meta")
+        loss = torch.empty(mb, seq + (tcfg.arch == "bert"), dtype=self.loss_dtype, device="meta", requires_grad=True)
+        last = len(self.derived.layers_per_stage) - 1
+        return (tokens if stage == 0 else hidden), (loss if stage == last else hidden)
 
     def _scaled_masked_mean(self, per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss function: the micro-batch loss times the loss scale (1 unless fp16)."""

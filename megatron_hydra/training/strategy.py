@@ -114,9 +114,18 @@ class MegatronStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         self.grad_buffer.finish()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._read_grad_norm(optimizer)
+        return out
+
+    def step_optimizer(self, optimizer) -> None:
+        """``optimizer_step`` without a Trainer (the dry run): reduce, then step."""
+        self.grad_buffer.finish()
+        optimizer.step()
+        self._read_grad_norm(optimizer)
+
+    def _read_grad_norm(self, optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)
         self.last_grad_norm = getattr(inner, "last_grad_norm", None)
-        return out
 
     # Collectives Lightning uses (metric sync, barriers) ------------------------------------------
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):

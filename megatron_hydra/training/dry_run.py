@@ -1,0 +1,272 @@
+"""``mode=dry_run``: one real training step of the configured job, for chosen ranks, on a CPU.
+
+Each simulated rank joins torch's fake process group at the job's full world size (``fake``
+backend: every collective returns at once, every group exists) and runs on a fake GPU
+(``training.fake_gpu``): fake tensors on a stand-in accelerator, devices and dtypes checked on
+every op. What runs is the real code of a GPU rank: ``ParallelState`` (mesh and every group),
+the model stage of this rank, ``MegatronStrategy``'s gradient buffer, the optimizer (fp32 main
+weights, distributed optimizer, fp16 loss scaler), the pipeline schedule, one
+``LMModule.optimizer_step_over`` (forward, backward, optimizer step over every micro-batch of the
+global batch) and the checkpoint's save planning (the state dict of logical names and
+``torch.distributed.checkpoint``'s local save plan; nothing is written). So it fails where the GPU
+run would: a CPU tensor meeting a GPU one, mixed dtypes under bf16/fp16, a shape that is wrong
+at full size, a group that does not exist.
+
+Memory per rank is measured by torch's ``MemTracker`` over the fake tensors, by category, and is
+printed beside ``mode=plan``'s row for the same pipeline rank: the state after the step (weights,
+grads, fp32 main weights, optimizer state) against the plan's static bytes, and the step's peak
+above that (activations and temporaries) against the plan's activations.
+
+Ranks. ``dry_run.ranks`` lists global ranks; by default every distinct position: the first,
+one middle and the last pipeline rank, each with the first and the last tensor-parallel rank (the
+last holds the vocabulary padding), data-parallel rank 0; with the distributed optimizer also the
+last data-parallel rank (whose shard ends the padded buffers). Ranks are simulated one after the
+other in this process.
+
+Limits: point-to-point transfers of the fake group move nothing, so a stage's received activation
+is a fresh fake tensor of the announced shape (torch's pipeline stages are given their shapes; a
+mismatch surfaces as a shape error in the next op). Transformer Engine and apex kernels do not
+exist here: a dry run with them is refused before it starts.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.parallel.state import ParallelState, coordinates
+from megatron_hydra.training import fake_gpu
+
+GIB = 2**30
+
+
+def batch_fields(arch: str, samples: int, seq: int, decoder_seq: int) -> Dict[str, tuple]:
+    """name -> (shape, dtype) of the batch a data-parallel rank receives: what the datasets of
+    ``data/`` yield for ``arch``, stacked over ``samples``."""
+    int64, f32 = torch.int64, torch.float32
+    if arch == "gpt":
+        return {"tokens": ((samples, seq), int64), "labels": ((samples, seq), int64), "loss_mask": ((samples, seq), f32)}
+    if arch == "bert":
+        return {"tokens": ((samples, seq), int64), "labels": ((samples, seq), int64), "loss_mask": ((samples, seq), f32),
+                "padding_mask": ((samples, seq), int64), "token_types": ((samples, seq), int64),
+                "sop_labels": ((samples,), int64)}
+    return {"tokens": ((samples, seq), int64), "padding_mask": ((samples, seq), int64),
+            "decoder_tokens": ((samples, decoder_seq), int64), "labels": ((samples, decoder_seq), int64),
+            "loss_mask": ((samples, decoder_seq), f32)}
+
+
+def default_ranks(derived: Derived, distributed_optimizer: bool) -> List[int]:
+    """Every distinct rank position (module docstring), as global ranks."""
+    sizes = {"pp": derived.pp, "dp": derived.dp, "cp": derived.cp, "tp": derived.tp}
+    strides = {"tp": 1, "cp": derived.tp, "dp": derived.tp * derived.cp, "pp": derived.tp * derived.cp * derived.dp}
+    pps = sorted({0, derived.pp // 2, derived.pp - 1})
+    tps = sorted({0, derived.tp - 1})
+    dps = sorted({0, derived.dp - 1}) if distributed_optimizer else [0]
+    ranks = {p * strides["pp"] + t * strides["tp"] + (d * strides["dp"] if (p, t) == (0, 0) else 0)
+             for p in pps for t in tps for d in dps}
+    assert all(0 <= r < derived.world_size for r in ranks), sizes
+    return sorted(ranks)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    position: str
+    seconds: float
+    loss_dtype: str
+    state_bytes: Dict[str, int]  # after the step, by MemTracker category
+    peak_bytes: int  # the step's peak on the device
+    save_peak_bytes: int  # peak while the checkpoint's state dict and save plan are built
+    host_peak_bytes: int  # fake CPU tensors (e.g. initialisation's draws)
+    host_syncs: List[str] = field(default_factory=list)
+    plan_static_bytes: int = 0
+    plan_activation_bytes: int = 0
+    save_items: int = 0
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(self.state_bytes.values())
+
+
+def _device_bytes(snapshot: dict, device_type: str) -> Dict[str, int]:
+    for device, values in snapshot.items():
+        if torch.device(device).type == device_type:
+            return {str(k).split(".")[-1]: int(v) for k, v in values.items()}
+    return {}
+
+
+def _memory_tracker():
+    """torch's ``MemTracker`` (per device and category: parameters, gradients, optimizer state,
+    activations, temporaries), without its per-module statistics, which refuse a module that runs
+    more than once a step (every micro-batch runs every layer)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class DeviceTotals(MemTracker):
+        def _pre_fw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _post_fw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _pre_bw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _post_bw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def reset_peak(self) -> None:
+            """Start a new peak from the current bytes (as entering the tracker does)."""
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+
+    return DeviceTotals()
+
+
+class _Stepper:
+    """What ``optimizer_step_over`` needs of Lightning's wrapped optimizer: param groups and a
+    ``step`` that goes through the strategy (gradient reduce, then the optimizer)."""
+
+    def __init__(self, optimizer, strategy):
+        self.optimizer, self.strategy = optimizer, strategy
+        self.param_groups = optimizer.param_groups
+
+    def step(self) -> None:
+        self.strategy.step_optimizer(self.optimizer)
+
+
+def _fake_batch(cfg: RunConfig, derived: Derived, ps: ParallelState) -> Dict[str, torch.Tensor]:
+    tcfg = derived.transformer
+    samples = cfg.data.micro_batch_size * derived.num_microbatches
+    fields = batch_fields(tcfg.arch, samples, tcfg.seq_length, tcfg.decoder_seq_length)
+    # Host tensors, as the DataLoader yields them; the strategy moves them to the device.
+    return {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in fields.items()}
+
+
+def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
+    """The checkpoint's state dict and this rank's local save plan (what ``dcp.save`` plans
+    before writing); returns the number of items planned."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from megatron_hydra.checkpoint.sharded import state_dict
+
+    sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, is_coordinator=dist.get_rank() == 0)
+    return len(planner.create_local_plan().items)
+
+
+def simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
+    """One training step of global rank ``rank`` on the fake group and the fake GPU."""
+    with warnings.catch_warnings():
+        # Fake tensors have no data: pointer comparisons (the gradient buffer checks whether a
+        # grad is its view) still work on their storages, but torch warns about each.
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        return _simulate_rank(cfg, derived, rank)
+
+
+def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_hydra.planning.memory import rank_memory
+    from megatron_hydra.training.module import LMModule
+    from megatron_hydra.training.strategy import MegatronStrategy
+
+    start = time.perf_counter()
+    device = fake_gpu.register()
+    # The fake backend for host tensors and for the stand-in GPU's (its collectives return at once).
+    dist.init_process_group(f"cpu:fake,{device.type}:fake", store=FakeStore(), rank=rank, world_size=derived.world_size)
+    try:
+        # The mesh is built from real (host) rank tables, before anything turns fake.
+        ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type)
+        with fake_gpu.fake_gpu() as check:
+            tracker = _memory_tracker()
+            with tracker:
+                with torch.device(device):
+                    module = LMModule(cfg, derived, ps)
+                # Lightning's record of the module's device, which ``.to`` would set; the parameters
+                # were built there (``.to`` on fake parameters fails to swap them in place).
+                module._device = device
+                strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
+                                            distributed_optimizer=cfg.optim.distributed_optimizer)
+                strategy.connect(module)
+                strategy._setup_model(module)
+                optimizer = module.build_optimizer(strategy.grad_buffer)
+                tracker.track_external(module, optimizer)
+                batch = strategy.batch_to_device(_fake_batch(cfg, derived, ps), device)
+                syncs_before = len(check.host_syncs)
+                loss, _, _ = module.optimizer_step_over(batch, strategy, _Stepper(optimizer, strategy), step=0)
+                step_syncs = check.host_syncs[syncs_before:]
+                state = _device_bytes(tracker.get_tracker_snapshot("current"), device.type)
+                peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
+                host_peak = _device_bytes(tracker.get_tracker_snapshot("peak"), "cpu")
+                tracker.reset_peak()
+                save_items = _save_plan(module, optimizer, ps, derived)
+                save_peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
+            optimizer.close()
+            strategy.grad_buffer.close()
+    finally:
+        dist.destroy_process_group()
+    coords = coordinates(rank, ps.sizes)
+    plan = rank_memory(cfg, derived, coords["pp"])
+    state.pop("Total", None)
+    return RankResult(
+        rank=rank, position=f"pp{coords['pp']} tp{coords['tp']} dp{coords['dp']}", seconds=time.perf_counter() - start,
+        loss_dtype=str(loss.dtype).replace("torch.", ""), state_bytes=state, peak_bytes=peak.get("Total", 0),
+        save_peak_bytes=save_peak.get("Total", 0), host_peak_bytes=host_peak.get("Total", 0), host_syncs=step_syncs,
+        plan_static_bytes=plan.static_bytes,
+        plan_activation_bytes=plan.activation_bytes, save_items=save_items)
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """What the fake GPU cannot run, refused in one line before anything starts."""
+    impl = getattr(cfg.model, "transformer_impl", "local")
+    if impl != "local":
+        raise ConfigError(f"mode=dry_run runs model.transformer_impl=local only (got {impl!r}: its kernels need a GPU): "
+                          "set model.transformer_impl=local, or check it with scripts/gpu_check.sh on a GPU")
+    if dist.is_initialized():
+        raise ConfigError("mode=dry_run starts its own fake process group: run it from launch.py, not inside a worker")
+
+
+def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = None) -> List[RankResult]:
+    check_runnable(cfg)
+    ranks = list(ranks) if ranks else default_ranks(derived, cfg.optim.distributed_optimizer)
+    bad = [r for r in ranks if not 0 <= r < derived.world_size]
+    if bad:
+        raise ConfigError(f"dry_run.ranks={bad} are outside the job's {derived.world_size} ranks: use 0..{derived.world_size - 1}")
+    return [simulate_rank(cfg, derived, r) for r in ranks]
+
+
+def table(cfg: RunConfig, derived: Derived, results: List[RankResult]) -> str:
+    """Measured bytes per rank beside ``mode=plan``'s (GiB)."""
+    head = (f"dry run: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp} x dp "
+            f"{derived.dp}; {cfg.precision.params_dtype}; {derived.num_microbatches} micro-batches of "
+            f"{cfg.data.micro_batch_size}; one step per rank on the fake process group and a fake GPU")
+    cols = ("state", "plan state", "ratio", "step peak", "activations", "plan act.", "save peak", "syncs", "seconds")
+    lines = [head, f"{'rank':>6} {'position':<16}" + "".join(f"{c:>12}" for c in cols) + "   (GiB)"]
+    for r in results:
+        act = max(0, r.peak_bytes - r.static_bytes)
+        ratio = r.static_bytes / r.plan_static_bytes if r.plan_static_bytes else float("nan")
+        values = (f"{r.static_bytes / GIB:.2f}", f"{r.plan_static_bytes / GIB:.2f}", f"{ratio:.3f}",
+                  f"{r.peak_bytes / GIB:.2f}", f"{act / GIB:.2f}", f"{r.plan_activation_bytes / GIB:.2f}",
+                  f"{r.save_peak_bytes / GIB:.2f}", str(len(r.host_syncs)), f"{r.seconds:.1f}")
+        lines.append(f"{r.rank:>6} {r.position:<16}" + "".join(f"{v:>12}" for v in values))
+    syncs = sorted({s for r in results for s in r.host_syncs})
+    if syncs:
+        lines.append("host syncs in the step (a GPU waits for each): " + "; ".join(syncs))
+    lines.append("state = weights + grads + fp32 main weights + optimizer state + pipeline buffers after the step "
+                 "(MemTracker); activations = step peak - state")
+    return "\n".join(lines)
+
+
+def run_dry_run(cfg: RunConfig, derived: Derived) -> List[RankResult]:
+    """``mode=dry_run``: simulate, print the table, return the results."""
+    results = dry_run(cfg, derived, cfg.dry_run.ranks)
+    print(table(cfg, derived, results))
+    return results

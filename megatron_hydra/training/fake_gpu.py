@@ -1,0 +1,231 @@
+"""A GPU that exists only as tensor metadata, for the dry run (``training.dry_run``).
+
+Tensors are torch's fake tensors (``FakeTensorMode``): shape, dtype and device, no storage, so a
+175B model's rank costs nothing to build. Their device is a stand-in accelerator registered as
+torch's ``PrivateUse1`` backend under the name ``FAKE_DEVICE`` rather than ``cuda`` itself: on a
+CPU-only torch build a fake tensor *on* ``cuda`` works for forward ops, but the first autograd
+edge on it aborts the process (autograd records each input's stream through the CUDA device-guard,
+which a CPU build does not have; measured with torch 2.13), and torch refuses to give the
+``PrivateUse1`` backend an in-tree name. The stand-in behaves as a GPU does where it matters here:
+a CPU tensor (other than a 0-dim scalar) meeting it in an op is an error, and so is code that
+hard-codes ``"cuda"`` instead of using the bound device.
+
+Two checks run on every op, inside the fake mode (``DeviceAndDtypeCheck``):
+
+- devices: the op's tensors are on one device (0-dim CPU scalars aside, as on a GPU);
+- dtypes: the matmul-like ops (the ones whose GPU kernels refuse mixed inputs, e.g. bf16 weights
+  times an fp32 activation) get one floating dtype; fake kernels would let these through.
+
+A failure names the op and the innermost line of this package that called it. Reads of a tensor
+value on the host (``.item()``, ``bool(t)``) are answered from the value a fake tensor still knows
+(small tensors made from Python numbers, such as Adam's step count, keep theirs), else with
+zero/False; a read of a device tensor (a device-to-host sync on a GPU) is counted, so the dry run
+also reports how many syncs one step makes. ``pin_memory`` (a host-allocator property without device semantics)
+returns the tensor itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from contextlib import ExitStack, contextmanager
+from typing import Iterator, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from megatron_hydra.errors import MegatronHydraError
+
+FAKE_DEVICE = "fakegpu"
+# The dry run's device is index 0 of the stand-in: torch's autograd engine sizes its per-device
+# queues from the backend's device count, which a Python-registered backend reports as 1. Which GPU
+# a rank binds is proven separately (the device-binding tests).
+
+# The directory holding the megatron_hydra package (frames below it are shown relative to it).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_MATMUL_OPS = {
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default", "aten.addmv.default",
+    "aten.mv.default", "aten.dot.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten.convolution.default",
+}
+
+
+class DryRunError(MegatronHydraError):
+    """The step would fail on the GPU: the message names the op and where this package called it."""
+
+
+class _DeviceModule:
+    """``torch.<FAKE_DEVICE>``: what torch asks of a device module (``torch.cuda``'s counterpart)
+    when it forks random states or synchronises. A fake device has no random state: an empty one
+    is saved and restored."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, device) -> None:
+        pass
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        pass
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state, device=None) -> None:
+        pass
+
+
+def register() -> torch.device:
+    """Make ``FAKE_DEVICE`` a device type of this process (once; torch allows one rename) and
+    return the device the dry run runs on."""
+    from torch.utils import backend_registration
+
+    name = torch._C._get_privateuse1_backend_name()
+    if name == FAKE_DEVICE:
+        return torch.device(FAKE_DEVICE, 0)
+    if name != "privateuseone":
+        raise DryRunError(f"the dry run needs torch's PrivateUse1 backend, but this process already registered it as "
+                          f"{name!r}: run the dry run in its own process")
+    backend_registration._setup_privateuseone_for_python_backend(rename=FAKE_DEVICE, backend_module=_DeviceModule())
+    return torch.device(FAKE_DEVICE, 0)
+
+
+def caller() -> str:
+    """The innermost frame of the code being checked (not torch's, Lightning's, the standard
+    library's or this module's), as ``path:line in function``."""
+    skip = [os.path.dirname(m.__file__) for m in _library_modules()] + [sysconfig.get_paths()["stdlib"]]
+    here = os.path.abspath(__file__)
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path != here and not any(path.startswith(s + os.sep) for s in skip):
+            shown = os.path.relpath(path, _PACKAGE_ROOT) if path.startswith(_PACKAGE_ROOT + os.sep) else path
+            return f"{shown}:{frame.lineno} in {frame.name}"
+    return "unknown"
+
+
+def _library_modules():
+    import lightning_fabric
+    import pytorch_lightning
+
+    return (torch, pytorch_lightning, lightning_fabric)
+
+
+class DeviceAndDtypeCheck(TorchDispatchMode):
+    """Device and dtype checks per op, and the count of host reads (module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_syncs: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name == "aten._local_scalar_dense.default":
+            return self._host_read(args[0])
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
+        if len(devices) > 1 and not name.startswith(("aten._to_copy", "aten.copy_", "aten.lift_fresh")):
+            shown = ", ".join(sorted(str(d) for d in devices))
+            raise DryRunError(f"{name} mixes devices ({shown}) at {caller()}: a CPU tensor meets GPU tensors, which "
+                              "fails on the GPU; create it on the input's device")
+        if name in _MATMUL_OPS:
+            dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+            if len(dtypes) > 1:
+                shown = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+                raise DryRunError(f"{name} mixes dtypes ({shown}) at {caller()}: the GPU kernel refuses mixed inputs; "
+                                  "cast to the parameters' dtype")
+        return func(*args, **kwargs)
+
+
+    def _host_read(self, t: torch.Tensor):
+        """A tensor's value read on the host. A value fake tensors still know (small tensors
+        made from Python numbers, e.g. Adam's step count, and arithmetic on them) is returned;
+        otherwise zero/False. A read of a device tensor is a sync on a GPU and is counted."""
+        if t.device.type != "cpu":
+            self.host_syncs.append(caller())
+        constant = getattr(t, "constant", None)
+        if constant is not None:
+            return constant.item()
+        return False if t.dtype == torch.bool else 0
+
+
+class _AsOnGpu(TorchFunctionMode):
+    """What would take another path on a GPU than on the stand-in: attention runs the GPU's fused
+    kernels (``_fused_attention``); ``pin_memory`` has no meaning for fake tensors (the tensor
+    stands for its pinned self); host tensors with a known value move through ``_to_device``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.is_pinned:
+            return True
+        device = kwargs.get("device")
+        if func is torch.tensor and device is not None and torch.device(device).type != "cpu":
+            host = func(*args, **{**kwargs, "device": "cpu", "requires_grad": False})
+            return _to_device(host, torch.device(device), host.dtype).requires_grad_(kwargs.get("requires_grad", False))
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _fused_attention(*args, **kwargs)
+        if func is torch.Tensor.to and getattr(args[0], "constant", None) is not None:
+            to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
+            if device is not None and device.type != "cpu":
+                return _to_device(args[0], device, dtype or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` as a GPU runs it: the flash kernel (grouped-query heads
+    natively), or the memory-efficient one when there is a mask. Torch picks a kernel by device,
+    and for the stand-in it would pick the unfused one, whose s^2 probabilities a GPU never
+    keeps: the dry run's activation bytes would not be the GPU's."""
+    aten = torch.ops.aten
+    if attn_mask is None:
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask.to(q.dtype) if attn_mask.dtype == torch.bool
+                                                       else attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor whose value fake tensors still know (``torch.tensor(...)`` data, Adam's step
+    count) moved to the stand-in device: fake mode would compute the move on the real value, for
+    which the stand-in has no kernel. The copy is fake like everything else."""
+    return torch.empty(host.shape, dtype=dtype, device=device).copy_(host)
+
+
+@contextmanager
+def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndDtypeCheck]:
+    """Within the block every tensor is fake and every op is checked; ``register()`` first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    check = check or DeviceAndDtypeCheck()
+    with ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(check)
+        stack.enter_context(_AsOnGpu())
+        yield check

@@ -1,0 +1,118 @@
+"""mode=dry_run: one real step of a GPU job's ranks on this CPU (fake process group, fake GPU).
+
+The references are independent of the dry run: ``mode=plan``'s analytic bytes for weights,
+grads, main weights and optimizer state; the datasets' own samples for the batch layout; and
+bugs planted in the step, which must be named.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_hydra.config import derive
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.models import archs
+from megatron_hydra.training import dry_run as D
+from megatron_hydra.training import fake_gpu
+from megatron_hydra.training.fake_gpu import DryRunError
+from conftest import compose_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(*overrides):
+    cfg = compose_config(["data=synthetic", "trainer=gpu", *overrides])
+    return cfg, derive(cfg)
+
+
+def _within_plan(result: D.RankResult, tolerance: float = 0.10) -> None:
+    ratio = result.static_bytes / result.plan_static_bytes
+    assert abs(ratio - 1) < tolerance, (result.position, result.state_bytes, result.plan_static_bytes)
+
+
+@pytest.mark.parametrize("overrides,rank", [
+    (("model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=128",
+      "data.micro_batch_size=1", "data.global_batch_size=128"), 520),  # a middle stage: 1024 ranks, dp 8
+    (("model=llama3_70b", "parallel=tp8_pp4", "trainer.devices=8", "trainer.num_nodes=8",
+      "data.micro_batch_size=1", "data.global_batch_size=8"), 63),  # the last stage, last tp rank: dp 2
+])
+def test_large_layouts_step_within_plan(overrides, rank):
+    cfg, derived = _cfg(*overrides, "precision=bf16", "optim.distributed_optimizer=true")
+    (result,) = D.dry_run(cfg, derived, [rank])
+    assert result.loss_dtype == "float32"
+    _within_plan(result)
+    assert result.peak_bytes > result.static_bytes
+    assert result.save_items > 0
+
+
+def test_default_positions_cover_every_stage_and_tp_class():
+    cfg, derived = _cfg("parallel=tp2_pp2", "trainer.devices=8", "data.global_batch_size=16",
+                        "optim.distributed_optimizer=true", "precision=bf16")
+    ranks = D.default_ranks(derived, distributed_optimizer=True)
+    assert ranks == [0, 1, 2, 4, 5]  # pp0 tp0/tp1, pp0 tp0 dp1, pp1 tp0/tp1
+    results = D.dry_run(cfg, derived, ranks)
+    for r in results:
+        _within_plan(r)
+
+
+def test_planted_device_bug_is_named(monkeypatch):
+    def loss_with_host_tensor(per_token_loss, loss_mask):
+        weights = torch.ones(per_token_loss.shape)  # on the host, whatever the model's device
+        return (per_token_loss * weights * loss_mask).sum() / loss_mask.sum()
+
+    monkeypatch.setitem(archs.ARCHS, "gpt", archs.Arch(archs.GPTModel, loss_with_host_tensor, ("labels",)))
+    cfg, derived = _cfg("trainer.devices=1")
+    with pytest.raises(DryRunError, match=r"aten\.mul\.Tensor mixes devices \(cpu, fakegpu:0\) at tests/test_dry_run.py"):
+        D.dry_run(cfg, derived, [0])
+
+
+def test_planted_dtype_bug_is_named(monkeypatch):
+    from megatron_hydra.parallel import layers
+
+    forward = layers.RowParallelLinear.forward
+    monkeypatch.setattr(layers.RowParallelLinear, "forward", lambda self, x: forward(self, x.float()))
+    cfg, derived = _cfg("trainer.devices=1", "precision=bf16")
+    with pytest.raises(DryRunError, match=r"aten\.(add)?mm\.default mixes dtypes \(bfloat16, float32\)"):
+        D.dry_run(cfg, derived, [0])
+
+
+def test_host_reads_of_device_values_are_counted():
+    device = fake_gpu.register()
+    with fake_gpu.fake_gpu() as check:
+        x = torch.zeros(4, device=device)
+        assert not bool((x > 1).any())  # unknown on a fake device: answered False, counted
+        step = torch.tensor(3.0)  # a host value fake tensors still know
+        assert (step + 1).item() == 4.0
+    assert len(check.host_syncs) == 1 and "tests/test_dry_run.py" in check.host_syncs[0]  # the device read only
+
+
+def test_batch_fields_are_what_the_datasets_yield():
+    from megatron_hydra.data.synthetic import SyntheticDataset
+
+    sample = SyntheticDataset(4, seq_length=16, vocab_size=50, seed=1)[0]
+    fields = D.batch_fields("gpt", 3, 16, 0)
+    assert set(fields) == set(sample)
+    for name, (shape, dtype) in fields.items():
+        assert shape == (3, *sample[name].shape) and dtype == sample[name].dtype, name
+
+
+def test_refuses_ranks_outside_the_job():
+    cfg, derived = _cfg("trainer.devices=1")
+    with pytest.raises(ConfigError, match=r"dry_run.ranks=\[5\] are outside the job's 1 ranks"):
+        D.dry_run(cfg, derived, [5])
+
+
+def test_launch_dry_run_prints_the_table(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "launch.py", "mode=dry_run", "trainer=gpu", "trainer.devices=8", "parallel=tp2_pp2",
+         "data=synthetic", "data.global_batch_size=16", "precision=bf16", "dry_run.ranks=[0,7]",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry run: model=gpt_tiny, 8 ranks = tp 2 x pp 2 x dp 2" in out.stdout
+    assert "pp1 tp1 dp1" in out.stdout
