@@ -116,3 +116,26 @@ def test_launch_dry_run_prints_the_table(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: model=gpt_tiny, 8 ranks = tp 2 x pp 2 x dp 2" in out.stdout
     assert "pp1 tp1 dp1" in out.stdout
+
+
+@pytest.mark.parametrize("form", [
+    (),  # GPT: LayerNorm, GELU, learned positions
+    ("model.num_query_groups=2", "model.position_embedding=rope", "model.normalization=rmsnorm",
+     "model.activation=swiglu", "model.add_bias_linear=false"),  # Llama
+    ("parallel=tp2", "trainer.devices=2", "parallel.sequence_parallel=true", "model.position_embedding=rope"),
+])
+def test_activations_per_layer_match_the_analytic_formula(form):
+    """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
+    plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""
+    from megatron_hydra.planning.memory import _layer_shape, activation_bytes_per_layer
+
+    peaks = {}
+    for layers in (2, 6):
+        cfg, derived = _cfg("trainer.devices=1", "data.micro_batch_size=1", "data.global_batch_size=1",
+                            f"model.num_layers={layers}", "precision=bf16", "model.hidden_size=512",
+                            "model.num_attention_heads=8", "model.seq_length=512", "model.vocab_size=256", *form)
+        (result,) = D.dry_run(cfg, derived, [0])
+        peaks[layers] = result.peak_bytes - result.static_bytes
+    measured = (peaks[6] - peaks[2]) / 4
+    planned = activation_bytes_per_layer(**_layer_shape(cfg, derived))
+    assert measured == pytest.approx(planned, rel=0.01)

@@ -224,6 +224,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 state[key] = torch.zeros_like(pc.main, memory_format=torch.preserve_format)
         return state
 
+    def init_state(self, step_dtype: torch.dtype = torch.float32) -> None:
+        """Create Adam's state now, as the first step would: a run's steady step (from its second,
+        or the first after a resume) starts with it allocated, which the dry run measures."""
+        for pc in self.pieces:
+            self._piece_state(pc, step_dtype)
+
     def checkpoint_state(self, step_dtype: torch.dtype = torch.float32) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
         """Per model parameter, its optimizer state as whole TP-local tensors shaped like the
         parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` and, for 16-bit models, the fp32 ``main``

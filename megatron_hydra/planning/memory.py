@@ -44,6 +44,8 @@ size, f ffn size):
     Q, K, V                        v sb (a + 2g) d / t
     attention-projection input     v sb a d / t
     MLP                            v sb f x 2 / t (gated: x 4: gate, act(gate), up, product)
+    rotary (RoPE) Q and K          v sb (a + g) d / t (rotated copies; the unrotated QKV output stays
+                                   alive as V's base; measured by the dry run)
     core attention, unfused        a s^2 b (2v + m) / t   (v without attention dropout)
 
 For f = 4h, g = a, d = h/a, v = 2, m = 1 these sum to the paper's rows. Selective recompute drops
@@ -167,7 +169,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
                                kv_channels: Optional[int] = None, gated: bool = False,
                                value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
                                attention_dropout: bool = True, attention: str = "unfused",
-                               sp_gathered_inputs: bool = False) -> float:
+                               sp_gathered_inputs: bool = False, rotary: bool = False) -> float:
     """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
     defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
     keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel)."""
@@ -181,6 +183,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     inputs_r = 1.0 if sequence_parallel and sp_gathered_inputs else r
     total = 2 * v * sbh * r + 2 * v * sbh * inputs_r + (2 * mask_bytes * sbh * r if hidden_dropout else 0)
     total += v * s * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
+    if rotary:  # the rotated Q and K are new tensors; V, a view of the QKV output, keeps all of it alive
+        total += v * s * b * (a + g) * d / t
     if recompute == "selective":
         return total
     if attention == "fused":
@@ -197,7 +201,8 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 ffn_hidden=tc.ffn_hidden_size, query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
                 gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
-                attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True)
+                attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
+                rotary=tc.position_embedding == "rope")
 
 
 def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:

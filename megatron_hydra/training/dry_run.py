@@ -198,6 +198,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 strategy.connect(module)
                 strategy._setup_model(module)
                 optimizer = module.build_optimizer(strategy.grad_buffer)
+                optimizer.init_state()  # the steady step: Adam's state exists before it starts
                 tracker.track_external(module, optimizer)
                 batch = strategy.batch_to_device(_fake_batch(cfg, derived, ps), device)
                 syncs_before = len(check.host_syncs)

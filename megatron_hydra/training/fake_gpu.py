@@ -172,8 +172,8 @@ class DeviceAndDtypeCheck(TorchDispatchMode):
 
 
 class _AsOnGpu(TorchFunctionMode):
-    """What would take another path on a GPU than on the stand-in: attention runs the GPU's fused
-    kernels (``_fused_attention``); ``pin_memory`` has no meaning for fake tensors (the tensor
+    """What would take another path on a GPU than on the stand-in: attention and RMSNorm run the
+    GPU's fused kernels (``_fused_attention``, ``_fused_rms_norm``); ``pin_memory`` has no meaning for fake tensors (the tensor
     stands for its pinned self); host tensors with a known value move through ``_to_device``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -188,6 +188,8 @@ class _AsOnGpu(TorchFunctionMode):
             return _to_device(host, torch.device(device), host.dtype).requires_grad_(kwargs.get("requires_grad", False))
         if func is torch.nn.functional.scaled_dot_product_attention:
             return _fused_attention(*args, **kwargs)
+        if func is torch.nn.functional.rms_norm:
+            return _fused_rms_norm(*args, **kwargs)
         if func is torch.Tensor.to and getattr(args[0], "constant", None) is not None:
             to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
             device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
@@ -209,6 +211,30 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
     return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask.to(q.dtype) if attn_mask.dtype == torch.bool
                                                        else attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """Torch's CUDA RMSNorm kernel as the dry run sees it: an output like the input, and for
+    backward the input and the fp32 inverse RMS per row (nothing else is kept). Fake tensors carry
+    no values, so shapes, dtypes and what is saved are all there is to model; the stand-in device
+    would otherwise take torch's composite path, which keeps fp32 intermediates a GPU never makes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape):
+        rstd = torch.empty(*x.shape[:x.dim() - len(normalized_shape)], *(1,) * len(normalized_shape),
+                           dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else None), None
+
+
+def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``rms_norm`` as torch runs it on a GPU (``_FusedRMSNorm``)."""
+    return _FusedRMSNorm.apply(x, weight, tuple(normalized_shape))
 
 
 def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
