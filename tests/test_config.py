@@ -247,3 +247,11 @@ def test_gpt_8b_tp4_pp2_on_cpu_is_one_line_naming_the_memory_fix(monkeypatch):
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("the memory plan needs") and "short by" in message and "try " in message
+
+
+def test_layout_planning_needs_an_explicit_global_batch():
+    from megatron_hydra.launcher import run
+
+    with pytest.raises(ConfigError, match="data.global_batch_size") as info:
+        run(compose_config(["model=gpt_175b", "cluster=a100_80g_x1024", "mode=plan_layouts"]))
+    assert "\n" not in str(info.value)

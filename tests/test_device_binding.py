@@ -282,3 +282,17 @@ def test_gpu_loaders_pin_memory_and_read_ahead(tmp_path):
         cfg = resolve(_composed(*SMALL, "trainer.max_steps=2", f"run_dir={tmp_path}"), visible_gpus=visible)
         train_loader, _ = build_dataloaders(cfg, derive(cfg), ParallelState.single())
         assert (train_loader.num_workers, train_loader.pin_memory) == (workers, pinned)
+
+
+@pytest.mark.parametrize("overrides,visible,fragment", [
+    (["trainer=gpu"], 4, "trainer.devices=8 but this machine has 4 GPUs"),  # local spawn: one GPU per rank
+    (["trainer=gpu"], 0, "no CUDA device is visible"),
+])
+def test_local_gpu_run_without_a_gpu_per_rank_is_one_line(overrides, visible, fragment):
+    from conftest import compose_config
+    from megatron_hydra.launcher import check_gpus
+
+    with pytest.raises(ConfigError, match=fragment) as info:
+        check_gpus(compose_config([*SMALL, *overrides]), None, visible)
+    assert "\n" not in str(info.value)
+    check_gpus(compose_config([*SMALL, *overrides]), None, 8)  # eight GPUs for eight ranks
