@@ -30,6 +30,7 @@ def _config(layers: int, world: int, layout):
     from omegaconf import OmegaConf
 
     from megatron_hydra.config import register_configs
+    from megatron_hydra.config.machine import resolve
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -37,7 +38,7 @@ def _config(layers: int, world: int, layout):
             "run_dir=unused", "model=gpt_125m", f"model.num_layers={layers}", "model.seq_length=128",
             "data=synthetic", f"trainer.devices={world}", "data.micro_batch_size=1", "data.global_batch_size=2",
             *layout])
-    return OmegaConf.to_object(cfg)
+    return resolve(OmegaConf.to_object(cfg), visible_gpus=0)
 
 
 def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queue) -> None:

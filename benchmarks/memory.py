@@ -57,10 +57,12 @@ def compose(overrides, run_dir="unused"):
     from omegaconf import OmegaConf
 
     from megatron_hydra.config import register_configs
+    from megatron_hydra.config.machine import resolve
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return OmegaConf.to_object(hydra_compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides]))
+        cfg = hydra_compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides])
+    return resolve(OmegaConf.to_object(cfg), visible_gpus=0)  # measured on this CPU
 
 
 # Part 1: activations and step time ---------------------------------------------------------------

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from megatron_hydra.config import derive, register_configs
+from megatron_hydra.config.machine import resolve
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.launcher import run
@@ -82,7 +83,7 @@ def main(argv):
     overrides = [f"model={model}", f"trainer.max_steps={steps}", "optim.warmup_steps=2",
                  "trainer.enable_progress_bar=false", f"run_dir={run_dir}"]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        cfg = resolve(OmegaConf.to_object(compose(config_name="config", overrides=overrides)), visible_gpus=0)
     derived = derive(cfg)
     torch.set_num_threads(torch.get_num_threads())
     peak = matmul_peak_flops()

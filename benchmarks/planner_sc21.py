@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from megatron_hydra.config import register_configs  # noqa: E402
+from megatron_hydra.config.machine import resolve  # noqa: E402
 from megatron_hydra.planning import sc21  # noqa: E402
 from megatron_hydra.planning.layouts import Options, describe, plan_layouts  # noqa: E402
 from megatron_hydra.planning.performance import CALIBRATED, estimate  # noqa: E402
@@ -40,7 +41,7 @@ def row_config(row: sc21.SC21Row):
         cfg = compose(config_name="config", overrides=[
             "run_dir=unused", "cluster=a100_80g_x1024", f"cluster.num_nodes={row.gpus // 8}", "data=synthetic",
             *sc21.model_overrides(row)])
-    return OmegaConf.to_object(cfg)
+    return resolve(OmegaConf.to_object(cfg), visible_gpus=0)
 
 
 def main() -> None:

@@ -41,13 +41,14 @@ def transformer_config(tp: int, sp: bool, overrides):
     from omegaconf import OmegaConf
 
     from megatron_hydra.config import derive, register_configs
+    from megatron_hydra.config.machine import resolve
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[
             "run_dir=unused", f"parallel.tensor_parallel_size={tp}", f"trainer.devices={tp}",
             f"parallel.sequence_parallel={str(sp).lower()}", *overrides])
-    cfg = OmegaConf.to_object(cfg)
+    cfg = resolve(OmegaConf.to_object(cfg), visible_gpus=0)
     return derive(cfg).transformer, cfg.data.micro_batch_size
 
 

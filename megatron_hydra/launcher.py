@@ -8,8 +8,10 @@
   output dir and multirun. If any worker fails, the agent stops the others at once and ``run``
   raises ``WorkerFailed`` naming the rank and its error.
 
-Config errors are raised before any process starts, and so is a run whose memory plan
-(``megatron_hydra.planning``) exceeds a device; ``mode=plan`` prints that plan and starts nothing.
+First the config's ``auto`` values are chosen for this machine (``config.machine.resolve``: its
+visible GPUs, the ranks torchrun/srun started). Config errors are raised before any process starts,
+and so are a run whose memory plan (``megatron_hydra.planning``) exceeds a device and a GPU run
+with fewer visible GPUs than local ranks; ``mode=plan`` prints that plan and starts nothing.
 
 Process lifecycle (``megatron_hydra.lifecycle``): the run directory and ``checkpoint.dir`` are
 checked writable and locked before any worker starts; spawned workers die with this process. The
@@ -35,6 +37,7 @@ from typing import Dict, Iterator, List, Optional
 from megatron_hydra import lifecycle, slurm
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import free_port, write_config
+from megatron_hydra.config.machine import resolve
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
 # Local CPU ranks per core beyond which a run is refused: gloo ranks time-share cores well up to a
@@ -129,18 +132,34 @@ def run_dirs(cfg: RunConfig) -> List[tuple]:
     return [(cfg.run_dir, "run_dir (hydra.run.dir)"), (checkpoint_dir(cfg), "checkpoint.dir")]
 
 
+def check_gpus(cfg: RunConfig, external: Optional[ExternalLaunch], visible: int) -> None:
+    """One GPU per rank, decided identically on every rank before any of them binds a device.
+    Spawned locally or by torchrun, a node's ranks share the visible GPUs (local rank i takes
+    ``cuda:i``); SLURM may instead give each task its own (one visible GPU per task)."""
+    if cfg.trainer.accelerator != "gpu":
+        return
+    if visible == 0:
+        raise ConfigError("trainer.accelerator=gpu but no CUDA device is visible: use trainer=cpu "
+                          "(or trainer.accelerator=auto), or check CUDA_VISIBLE_DEVICES")
+    if external is None and visible < cfg.trainer.devices:
+        raise ConfigError(f"trainer.devices={cfg.trainer.devices} but this machine has {visible} GPUs: lower it "
+                          "(trainer.devices=auto uses every visible GPU)")
+    shared = external is not None and (external.kind == "torchrun" or visible > 1)
+    if shared and visible < external.local_world_size:
+        how = {"torchrun": "torchrun --nproc-per-node", "slurm": "srun --ntasks-per-node"}[external.kind]
+        raise ConfigError(
+            f"the {external.kind} launch runs {external.local_world_size} ranks on node {external.node_rank} but "
+            f"{visible} GPUs are visible there: one GPU per rank; lower {how} and trainer.devices to {visible}, "
+            "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> None:
     """Checks that need the machine (not just the config), still before any worker starts."""
-    check_local_cpu_ranks(cfg, external)
-    if cfg.trainer.accelerator == "gpu":
-        import torch
+    from megatron_hydra.parallel.device import visible_gpus
 
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.accelerator=gpu but no CUDA device is visible: use trainer=cpu")
-        if external is None and torch.cuda.device_count() < cfg.trainer.devices:
-            raise ConfigError(
-                f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} GPUs: lower it"
-            )
+    check_local_cpu_ranks(cfg, external)
+    check_gpus(cfg, external, visible_gpus() if cfg.trainer.accelerator == "gpu" else 0)
     from megatron_hydra.checkpoint.plan import start_point
     from megatron_hydra.planning.fit import check_fits
 
@@ -362,13 +381,26 @@ def final_validation_loss(run_dir: str) -> Optional[float]:
     return float(values[-1]) if values else None
 
 
+def resolve_for_machine(cfg: RunConfig, external: Optional[ExternalLaunch]) -> RunConfig:
+    """``cfg`` with its ``auto`` values chosen for this machine (``config.machine``): its visible
+    GPUs and, under torchrun or srun, the ranks they started on this node."""
+    from megatron_hydra.parallel.device import visible_gpus
+
+    return resolve(cfg, visible_gpus(), external.local_world_size if external is not None else None)
+
+
 def run(cfg: RunConfig) -> Optional[float]:
     """Validate, then train with this process as a worker or with spawned local workers. Returns
     the final validation loss (the objective of a sweep) where this process can see the run end:
     always when it spawned the workers, on rank 0 of a submitit job; None without validation."""
+    external = detect_external()
+    cfg = resolve_for_machine(cfg, external)
     if cfg.mode == "plan_layouts":
         from megatron_hydra.planning.layouts import run_planner
 
+        if cfg.data.global_batch_size is None:
+            raise ConfigError("mode=plan_layouts needs data.global_batch_size: the global batch every layout "
+                              "trains with (e.g. data.global_batch_size=1536)")
         run_planner(cfg)  # plans for cfg.cluster, not for this config's own layout
         return None
     derived = derive(cfg)
@@ -382,7 +414,6 @@ def run(cfg: RunConfig) -> Optional[float]:
 
         run_dry_run(cfg, derived)
         return None
-    external = detect_external()
     for path, key in run_dirs(cfg):  # every rank writes there: found now, not at the first save
         lifecycle.check_writable(path, key)
     # One run per directory: rank 0 holds the lock for the run (the kernel drops it when it dies).

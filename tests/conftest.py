@@ -30,14 +30,17 @@ SMALL = [
 ]
 
 
-def compose_config(overrides: List[str] = (), run_dir: str = "unused"):
-    """The typed RunConfig that ``launch.py`` would get for these command-line overrides."""
+def compose_config(overrides: List[str] = (), run_dir: str = "unused", visible_gpus: int = 0):
+    """The typed RunConfig that ``launch.py`` would run for these command-line overrides on a
+    machine with ``visible_gpus`` GPUs (``auto`` values resolved; a CPU machine by default, so that
+    the suite runs the same wherever it runs)."""
     from megatron_hydra.config import register_configs
+    from megatron_hydra.config.machine import resolve
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides])
-    return OmegaConf.to_object(cfg)
+    return resolve(OmegaConf.to_object(cfg), visible_gpus)
 
 
 def run_training(overrides: List[str], run_dir: Path) -> List[Dict[str, float]]:

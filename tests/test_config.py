@@ -38,7 +38,7 @@ def test_derived_values():
     assert d.layers_per_stage == (cfg.model.num_layers,)
     assert d.split_samples == (cfg.trainer.max_steps * 32, 0, 0)  # no validation by default
     d = derive(compose_config(["trainer.val_check_interval=5", "trainer.limit_val_batches=3", "trainer.max_steps=20"]))
-    assert d.split_samples == (20 * 8, 3 * 8, 0)
+    assert d.split_samples == (20 * 4, 3 * 4, 0)  # the default global batch: micro-batch 4 x dp 1 x pp 1
     # swiglu's default ffn: 8h/3 rounded up to a multiple of 256.
     d = derive(compose_config(["model.activation=swiglu", "model.hidden_size=1000", "model.num_attention_heads=8"]))
     assert d.transformer.ffn_hidden_size == 256 * math.ceil(int(8000 / 3) / 256) == 2816
@@ -114,11 +114,12 @@ BAD = [
     (["trainer.val_check_interval=-1"], "trainer.val_check_interval"),
     (["data.num_workers=-1"], "data.num_workers"),
     (["data.tokenizer.type=wordpiece"], "data.tokenizer.type"),
-    # Pipeline parallelism (gpt_tiny has 4 layers; the default batch is 8 of 4 -> 2 micro-batches).
+    # Pipeline parallelism (gpt_tiny has 4 layers; micro-batches of 4).
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "model.num_layers=3"], "model.num_layers"),
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.layers_per_stage=[1,2]"],
      "parallel.layers_per_stage"),
-    (["trainer.devices=4", "parallel.pipeline_parallel_size=4"], "data.global_batch_size"),
+    (["trainer.devices=4", "parallel.pipeline_parallel_size=4", "data.global_batch_size=8"], "data.global_batch_size"),
+    (["data.global_batch_size=0"], "data.global_batch_size"),
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=2"],
      "parallel.pipeline_schedule"),
     (["trainer.devices=2", "parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=interleaved_1f1b"],
@@ -164,3 +165,93 @@ def test_launch_py_prints_one_line_and_exits_2(tmp_path, env_no_launcher):
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     assert lines == [lines[-1]] and "model.num_attention_heads=7" in lines[-1]
     assert "Traceback" not in out.stdout + out.stderr
+
+
+# auto values (config/machine.py) and the derived global batch ---------------------------------------
+
+def _unresolved(*overrides):
+    """The config as launch.py composes it, before the launcher resolves ``auto``."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from megatron_hydra.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return OmegaConf.to_object(compose(config_name="config", overrides=["run_dir=unused", *overrides]))
+
+
+def _machine_values(cfg):
+    return cfg.trainer.accelerator, cfg.trainer.devices, cfg.precision.params_dtype, cfg.data.num_workers
+
+
+def test_auto_resolves_for_the_machine():
+    from megatron_hydra.config.machine import resolve
+
+    cfg = _unresolved()
+    assert _machine_values(cfg) == ("auto", "auto", "auto", "auto") and cfg.data.global_batch_size is None
+    cpu, gpu = resolve(cfg, visible_gpus=0), resolve(cfg, visible_gpus=8)
+    assert _machine_values(cpu) == ("cpu", 1, "float32", 0) and cpu.data.global_batch_size == 4
+    assert _machine_values(gpu) == ("gpu", 8, "bfloat16", 2) and gpu.data.global_batch_size == 4 * 8
+    assert _machine_values(cfg) == ("auto", "auto", "auto", "auto")  # pure: a resolved copy
+    assert resolve(gpu, visible_gpus=0) == gpu  # nothing left to resolve, whatever the machine
+    # CPU: the fewest ranks the layout needs; torchrun/srun: the ranks they started on this node.
+    assert resolve(_unresolved("parallel=tp4_pp2"), visible_gpus=0).trainer.devices == 8
+    assert resolve(cfg, visible_gpus=1, local_ranks=4).trainer.devices == 4  # one GPU per task
+    assert resolve(_unresolved("trainer=gpu"), visible_gpus=0).precision.params_dtype == "bfloat16"
+    explicit = _unresolved("trainer=cpu", "trainer.devices=2", "precision=fp32", "data.num_workers=1",
+                           "data.global_batch_size=16")
+    assert _machine_values(resolve(explicit, visible_gpus=8)) == ("cpu", 2, "float32", 1)
+    assert resolve(explicit, visible_gpus=8).data.global_batch_size == 16
+
+
+def test_derive_refuses_what_is_not_resolved():
+    with pytest.raises(ConfigError, match="trainer.accelerator=auto") as info:
+        derive(_unresolved())
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="trainer.devices='eight' must be a positive integer or auto"):
+        derive(compose_config(["trainer.devices=eight"]))
+
+
+@pytest.mark.parametrize("overrides,gbs,nmb", [
+    ([], 4, 1),
+    (["trainer.devices=4"], 16, 1),  # micro-batch 4 x dp 4
+    (["parallel=tp2_pp2", "trainer.devices=8"], 16, 2),  # 4 x dp 2 x pp 2
+    (["parallel=pp4", "model.num_layers=8", "parallel.virtual_pipeline_size=2",
+      "parallel.pipeline_schedule=interleaved_1f1b"], 16, 4),
+    (["parallel=pp4", "parallel.pipeline_schedule=zero_bubble"], 16, 4),
+    (["parallel=pp2", "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zbv"], 8, 2),
+])
+def test_null_global_batch_is_one_micro_batch_per_data_parallel_rank_and_stage(overrides, gbs, nmb):
+    cfg = compose_config(overrides)
+    d = derive(cfg)
+    assert (cfg.data.global_batch_size, d.global_batch_size, d.num_microbatches) == (gbs, gbs, nmb)
+    # derive alone computes the same default from a null batch.
+    raw = _unresolved(*overrides, f"trainer.devices={cfg.trainer.devices}", "trainer.accelerator=cpu",
+                      "precision=fp32", "data.num_workers=0")
+    assert raw.data.global_batch_size is None and derive(raw).global_batch_size == gbs
+
+
+def test_gpt_8b_tp4_pp2_on_cpu_is_one_line_naming_the_memory_fix(monkeypatch):
+    """The design's ``python launch.py model=gpt_8b parallel=tp4_pp2`` on a 2-core, 32 GiB CPU
+    machine: 8 gloo ranks (the layout's minimum), fp32, and the memory plan's shortfall."""
+    from megatron_hydra import launcher
+    from megatron_hydra.planning import memory
+
+    monkeypatch.setattr(memory, "_host_memory", lambda: 32 * 1024 ** 3)
+    monkeypatch.setattr(launcher.lifecycle, "cpu_cores", lambda: 2)
+    cfg = compose_config(["model=gpt_8b", "parallel=tp4_pp2"])
+    assert _machine_values(cfg) == ("cpu", 8, "float32", 0) and cfg.data.global_batch_size == 8
+    with pytest.raises(ConfigError) as info:
+        launcher.preflight(cfg, derive(cfg), external=None)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("the memory plan needs") and "short by" in message and "try " in message
+
+
+def test_layout_planning_needs_an_explicit_global_batch():
+    from megatron_hydra.launcher import run
+
+    with pytest.raises(ConfigError, match="data.global_batch_size") as info:
+        run(compose_config(["model=gpt_175b", "cluster=a100_80g_x1024", "mode=plan_layouts"]))
+    assert "\n" not in str(info.value)

@@ -197,8 +197,9 @@ def test_measured_activations_under_tensor_and_sequence_parallelism():
 
 
 def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path):
+    # 2 micro-batches on 16 stages: every middle stage holds the same activations (one merged row).
     cmd = [sys.executable, str(ROOT / "launch.py"), "model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8",
-           "trainer.num_nodes=16", "mode=plan", f"hydra.run.dir={tmp_path}"]
+           "trainer.num_nodes=16", "data.global_batch_size=8", "mode=plan", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

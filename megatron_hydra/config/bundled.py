@@ -17,6 +17,7 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from megatron_hydra.config.machine import resolve
 from megatron_hydra.config.schema import RunConfig, register_configs
 
 CONF_MODULE = "megatron_hydra.conf"
@@ -29,11 +30,12 @@ def _initialized() -> Iterator[None]:
         yield
 
 
-def compose(overrides: Sequence[str] = ()) -> RunConfig:
-    """The typed config ``launch.py`` would compose for ``overrides`` (``run_dir`` left unused)."""
+def compose(overrides: Sequence[str] = (), visible_gpus: int = 0) -> RunConfig:
+    """The typed config ``launch.py`` would run for ``overrides`` on a machine with ``visible_gpus``
+    GPUs (a CPU machine by default; ``auto`` values resolved, ``run_dir`` left unused)."""
     with _initialized():
         cfg = hydra_compose(config_name="config", overrides=["run_dir=unused", *overrides])
-    return OmegaConf.to_object(cfg)
+    return resolve(OmegaConf.to_object(cfg), visible_gpus)
 
 
 def group_options(group: str) -> List[str]:

@@ -37,6 +37,11 @@ CHOICES = {
 }
 
 
+# Keys a preset may leave as ``auto``: ``config.machine.resolve`` picks them for the machine before
+# derive runs; derive itself never looks at the machine.
+AUTO_KEYS = ("trainer.accelerator", "trainer.devices", "precision.params_dtype", "data.num_workers")
+
+
 @dataclass(frozen=True)
 class Derived:
     world_size: int
@@ -52,6 +57,8 @@ class Derived:
     # limit_val_batches global batches of the valid split (the same ones at each validation, so
     # validation losses are comparable along the run).
     split_samples: Tuple[int, int, int] = (0, 0, 0)
+    # data.global_batch_size, or its default when null (``global_batch_size``).
+    global_batch_size: int = 0
 
 
 def _get(cfg: RunConfig, key: str):
@@ -63,6 +70,17 @@ def _get(cfg: RunConfig, key: str):
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_resolved(cfg: RunConfig) -> None:
+    """``auto`` must be resolved first; any other text in an int-or-auto key is a typo."""
+    for key in AUTO_KEYS:
+        if _get(cfg, key) == "auto":
+            raise ConfigError(f"{key}=auto is chosen for the machine by megatron_hydra.config.machine.resolve, which "
+                              f"launch.py runs before derive: resolve the config first, or give {key} a value")
+    for key, what in (("trainer.devices", "a positive integer"), ("data.num_workers", "an integer >= 0")):
+        if isinstance(_get(cfg, key), str):
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be {what} or auto")
 
 
 def _check_choices(cfg: RunConfig) -> None:
@@ -78,14 +96,14 @@ def _check_positive(cfg: RunConfig) -> None:
         "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "parallel.context_parallel_size",
         "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
         "model.vocab_size", "model.make_vocab_size_divisible_by",
-        "data.micro_batch_size", "data.global_batch_size", "parallel.grad_bucket_size",
+        "data.micro_batch_size", "parallel.grad_bucket_size",
         "trainer.collective_timeout_s", "trainer.limit_val_batches",
     )
     for key in keys:
         value = _get(cfg, key)
         if value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer")
-    for key in ("model.num_query_groups", "model.ffn_hidden_size", "model.kv_channels",
+    for key in ("data.global_batch_size", "model.num_query_groups", "model.ffn_hidden_size", "model.kv_channels",
                 "parallel.virtual_pipeline_size", "trainer.num_threads", "optim.decay_steps"):
         value = _get(cfg, key)
         if value is not None and value < 1:
@@ -198,8 +216,24 @@ def _layers_per_stage(cfg: RunConfig, pp: int, vpp: int) -> Tuple[int, ...]:
     return (layers // stages,) * stages
 
 
-def _num_microbatches(cfg: RunConfig, dp: int) -> int:
-    micro, global_batch = cfg.data.micro_batch_size, cfg.data.global_batch_size
+def default_global_batch_size(micro_batch_size: int, dp: int, pp: int) -> int:
+    """Megatron's default global batch (micro-batch x dp), times pp: one micro-batch per pipeline
+    stage, the fewest that torch's pipeline schedules accept (``_check_pipeline``)."""
+    return micro_batch_size * dp * pp
+
+
+def global_batch_size(cfg: RunConfig) -> int:
+    """``data.global_batch_size``, or its default for this layout when it is null."""
+    if cfg.data.global_batch_size is not None:
+        return cfg.data.global_batch_size
+    _check_resolved(cfg)
+    _check_positive(cfg)
+    _, _, pp, _, dp = _parallel_degrees(cfg)
+    return default_global_batch_size(cfg.data.micro_batch_size, dp, pp)
+
+
+def _num_microbatches(cfg: RunConfig, dp: int, global_batch: int) -> int:
+    micro = cfg.data.micro_batch_size
     if global_batch % (micro * dp):
         raise ConfigError(
             f"data.global_batch_size={global_batch} is not divisible by data.micro_batch_size x data-parallel size "
@@ -210,7 +244,8 @@ def _num_microbatches(cfg: RunConfig, dp: int) -> int:
 
 def _check_pipeline(cfg: RunConfig, pp: int, vpp: int, dp: int, nmb: int) -> None:
     """What torch.distributed.pipelining's schedules (parallel/pipeline.py) need of the layout."""
-    schedule, micro, gbs = cfg.parallel.pipeline_schedule, cfg.data.micro_batch_size, cfg.data.global_batch_size
+    schedule, micro = cfg.parallel.pipeline_schedule, cfg.data.micro_batch_size
+    gbs = nmb * micro * dp
     if pp == 1:
         return
     if vpp > 1 and schedule == "1f1b":
@@ -301,6 +336,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def derive(cfg: RunConfig) -> Derived:
     """Validate ``cfg`` and compute everything that follows from it."""
+    _check_resolved(cfg)
     _check_choices(cfg)
     _check_positive(cfg)
     world, tp, pp, cp, dp = _parallel_degrees(cfg)
@@ -321,7 +357,8 @@ def derive(cfg: RunConfig) -> Derived:
     groups, kv_channels = _attention_shape(cfg, tp)
     ffn = _ffn_size(cfg, tp)
     layers = _layers_per_stage(cfg, pp, vpp)
-    nmb = _num_microbatches(cfg, dp)
+    gbs = cfg.data.global_batch_size or default_global_batch_size(cfg.data.micro_batch_size, dp, pp)
+    nmb = _num_microbatches(cfg, dp, gbs)
     try:
         _check_pipeline(cfg, pp, vpp, dp, nmb)
     except ConfigError:
@@ -374,9 +411,9 @@ def derive(cfg: RunConfig) -> Derived:
         relative_attention_num_buckets=m.relative_attention_num_buckets,
         relative_attention_max_distance=m.relative_attention_max_distance,
     )
-    gbs, trainer = cfg.data.global_batch_size, cfg.trainer
+    trainer = cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)
     return Derived(
         world_size=world, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, num_microbatches=nmb,
-        layers_per_stage=layers, transformer=transformer, split_samples=split_samples,
+        layers_per_stage=layers, transformer=transformer, split_samples=split_samples, global_batch_size=gbs,
     )

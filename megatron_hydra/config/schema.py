@@ -8,7 +8,7 @@ config, before anything else runs. Values left ``None`` are derived in ``config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -75,8 +75,12 @@ class PrecisionConfig:
     name: str = "fp32"
     # Dtype of model weights and activations: float32, bfloat16 or float16 (the latter two keep fp32
     # main weights in the optimizer and reduce grads in fp32); float64 exists so that numerics
-    # tests can compare layouts at 1e-9.
+    # tests can compare layouts at 1e-9. auto (precision=auto, the default preset): bfloat16 when
+    # trainer.accelerator is gpu, else float32 (config/machine.py).
     params_dtype: str = "float32"
+    # TF32 tensor cores for float32 matmuls and convolutions on GPU (Ampere and later): 10-bit
+    # mantissa inputs, fp32 accumulation. Applied by each GPU worker; no effect on CPU.
+    tf32: bool = True
     # Dynamic loss scaling, used with float16 only: start at initial_loss_scale; halve it (never
     # below min_loss_scale) after ``hysteresis`` overflowing steps; double it after
     # loss_scale_window steps without overflow, which also resets the hysteresis count.
@@ -112,7 +116,10 @@ class TokenizerConfig:
 class DataConfig:
     name: str = "synthetic"  # synthetic | demo | indexed (indexed_bert, indexed_t5: its BERT / T5 presets)
     micro_batch_size: int = 4
-    global_batch_size: int = 8
+    # Samples per optimizer step, over all data-parallel ranks. null -> micro_batch_size x dp x pp:
+    # one micro-batch per data-parallel rank and pipeline stage, the smallest batch every pipeline
+    # schedule accepts (config/derive.py); set it for throughput (more micro-batches, smaller bubble).
+    global_batch_size: Optional[int] = None
     # indexed: [prefix] or [weight, prefix, weight, prefix, ...] of Megatron .bin/.idx pairs.
     blend: Optional[List[Any]] = None
     # Train/valid/test proportions, split by documents: "969,30,1" in YAML; on the command line
@@ -121,7 +128,10 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # Where index arrays and the demo corpus are cached; None -> next to the data (demo: ~/.cache).
     cache_dir: Optional[str] = None
-    num_workers: int = 0
+    # DataLoader worker processes per rank. auto (the data presets): 0 on CPU (a sample is a
+    # memory-mapped slice, and workers would take cores from the ranks' compute threads), 2 on GPU
+    # (the next batches are read and pinned while the GPU computes).
+    num_workers: Union[int, str] = 0
     seed: int = 1234
     # BERT and T5 samples (model.arch=bert|t5; docs/models.md): the fraction of tokens masked
     # (T5: the noise density), the chance of a shorter sample, whole-word masking (BERT), and
@@ -153,8 +163,12 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     name: str = "cpu"
-    accelerator: str = "cpu"  # cpu | gpu
-    devices: int = 1
+    # cpu | gpu | auto (trainer=auto, the default preset: gpu when CUDA devices are visible, else cpu).
+    accelerator: str = "cpu"
+    # Ranks per node (one per GPU on GPU), or auto: the ranks an external launcher (torchrun,
+    # srun) started on this node; else every visible GPU on GPU; else, on CPU, the fewest ranks
+    # the layout needs (tp x pp x cp). Resolved by config/machine.py before derive.
+    devices: Union[int, str] = 1
     num_nodes: int = 1
     max_steps: int = 100
     log_every_n_steps: int = 1

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_hydra.parallel.device import bind_device
+
 AXES = ("pp", "dp", "cp", "tp")
 
 
@@ -175,7 +177,6 @@ def _mesh_backend_override(device_type: str, timeout: Optional[timedelta]) -> Op
 
 
 def device_for(accelerator: str, local_rank: int) -> torch.device:
-    if accelerator == "gpu":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """This rank's device, bound as the current CUDA device (``parallel.device.bind_device``: the
+    worker already bound it before joining the process group; binding again is a no-op)."""
+    return bind_device(accelerator, local_rank)

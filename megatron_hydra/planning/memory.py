@@ -93,6 +93,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
+from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning.flops import model_flops_per_step
@@ -343,8 +344,8 @@ def device_memory(cfg: RunConfig) -> Tuple[int, str]:
             raise ConfigError(f"trainer.device_memory_gb={trainer.device_memory_gb} must be > 0, or null to read it from the device")
         return int(trainer.device_memory_gb * GIB), "trainer.device_memory_gb"
     if trainer.accelerator == "gpu":
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory, "reported by the GPU"
+        if torch.cuda.is_available():  # this rank's own GPU: under torchrun/srun it is not always cuda:0
+            return torch.cuda.get_device_properties(this_rank_device("gpu")).total_memory, "reported by the GPU"
         return int(ASSUMED_GPU_MEMORY_GB * GIB), "assumed, no GPU visible: set trainer.device_memory_gb"
     return _host_memory() // trainer.devices, f"host RAM / {trainer.devices} local ranks"
 

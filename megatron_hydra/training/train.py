@@ -76,10 +76,14 @@ def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consu
                                            num_samples=sizes, vocab_size=tcfg.vocab_size,
                                            make_dataset=dataset_factory(cfg.data, tcfg, cfg.data.seed))
 
+    workers = cfg.data.num_workers
+
     def loader(ds, total, consumed=0):
-        sampler = GlobalBatchSampler(total, cfg.data.global_batch_size, ps.dp_rank, ps.dp_size, consumed)
-        return DataLoader(ds, batch_sampler=sampler, num_workers=cfg.data.num_workers,
-                          persistent_workers=cfg.data.num_workers > 0)
+        sampler = GlobalBatchSampler(total, derived.global_batch_size, ps.dp_rank, ps.dp_size, consumed)
+        # On GPU, batches land in pinned memory, so that Lightning's copy to the device
+        # (``non_blocking=True`` for CUDA) overlaps with compute.
+        return DataLoader(ds, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+                          pin_memory=cfg.trainer.accelerator == "gpu")
 
     valid = loader(valid_ds, min(len(valid_ds), sizes[1])) if valid_ds is not None and sizes[1] else None
     return loader(train_ds, sizes[0], consumed_samples), valid

@@ -1,4 +1,7 @@
-"""One rank: join the process group, train, leave cleanly.
+"""One rank: bind its device, join the process group, train, leave cleanly.
+
+A GPU rank makes its own GPU current before the process group exists and before any collective
+(``parallel.device``), whichever way it was started: the local launcher, torchrun or SLURM.
 
 ``python -m megatron_hydra.training.worker CONFIG`` is what the local launcher spawns per rank;
 torchrun/SLURM workers and single-process runs call ``run_worker`` directly. A worker that fails
@@ -28,12 +31,22 @@ import torch.distributed as dist
 from megatron_hydra import lifecycle
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import MegatronHydraError
+from megatron_hydra.parallel import device
 
 
-def init_process_group(cfg: RunConfig) -> None:
-    """env:// rendezvous: the variables come from our launcher, torchrun or SLURM."""
-    backend = "nccl" if cfg.trainer.accelerator == "gpu" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
+def init_process_group(cfg: RunConfig, local_rank: int) -> torch.device:
+    """env:// rendezvous (the variables come from our launcher, torchrun or SLURM), on this rank's
+    device: on GPU it is bound first, so NCCL never sees two ranks on one GPU."""
+    return device.init_process_group(cfg.trainer.accelerator, local_rank,
+                                     timedelta(seconds=cfg.trainer.collective_timeout_s))
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for float32 matmuls and convolutions (``precision.tf32``; GPU only). The
+    legacy flags, not ``fp32_precision``: Lightning reads ``torch.get_float32_matmul_precision()``,
+    which raises once the two APIs are mixed."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_size: int) -> None:
@@ -43,7 +56,9 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
         # The cores this process may run on (cgroups, SLURM and taskset shrink them), shared by the local ranks.
         cores = lifecycle.cpu_cores()
         torch.set_num_threads(cfg.trainer.num_threads or max(1, cores // local_world_size))
-    init_process_group(cfg)
+    else:
+        set_tf32(cfg.precision.tf32)
+    init_process_group(cfg, local_rank)
     try:
         if dist.get_world_size() > 1:
             # Under torchrun/srun every rank composed its own Hydra config, and a timestamped
