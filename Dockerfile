@@ -13,6 +13,7 @@ COPY conf ./conf
 COPY launch.py ./
 COPY tests ./tests
 COPY benchmarks ./benchmarks
+COPY scripts ./scripts
 
 # Keep the image's own torch build (its pre-release version string would not satisfy a plain
 # requirement), then add the pure-Python dependencies.
