@@ -108,7 +108,7 @@ PLANNED_ARCHS = ("gpt",)  # the models whose chunks the plan builds (GPTModel)
 ASSUMED_GPU_MEMORY_GB = 80.0
 
 # Headroom on GPUs (module docstring). Not measured here (no GPU is lent to this project); each value
-# says where it comes from, and scripts/ is where a GPU measurement would check it.
+# says where it comes from.
 # The CUDA context of one process (driver state, the kernels it loads, cuBLAS workspaces): about
 # 0.5 GiB for a torch training process on A100/H100-class GPUs with CUDA 12, whose lazy loading
 # (CUDA_MODULE_LOADING=LAZY, the default on Linux since CUDA 12.2: CUDA C++ Programming Guide,
