@@ -234,6 +234,26 @@ def test_nan_norm_leaves_grads_as_the_host_branch_did():
     assert torch.equal(grads[1], before[1]) and torch.equal(grads[0][[0, 2]], before[0][[0, 2]])
 
 
+def test_clip_and_guard_run_on_fake_cuda_tensors():
+    """The dry run's tensors (FakeTensorMode on device cuda) have no values: reading one on the host
+    raises, so running through is itself proof that neither reads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_hydra.parallel.grad_clip import clip_grads
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.guard import FiniteGuard
+
+    with FakeTensorMode():
+        grads = [torch.randn(5, 3, device="cuda"), torch.randn(7, device="cuda")]
+        norm = clip_grads(grads, [True, True], 1.0, ParallelState.single())
+        guard = FiniteGuard()
+        guard.record(0, torch.randn((), device="cuda"), norm, skipped=False)
+        guard.record(1, torch.randn((), device="cuda"), None, skipped=True)
+        assert guard.values.device.type == "cuda"
+        with pytest.raises(Exception, match="data-dependent|_local_scalar_dense|item"):
+            guard.verify()  # the read, which only logging steps and saves make
+
+
 # The guard reads on logging steps and before saves ---------------------------------------------------
 def test_divergence_between_logging_steps_stops_at_the_next_one_naming_its_step(tmp_path):
     # lr=1e30: step 0 is finite, step 1's loss is NaN; the next logging step is 3.

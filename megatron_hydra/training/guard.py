@@ -41,31 +41,33 @@ def _raise(step: int, loss: float, norm: Optional[float]) -> None:
 
 
 class FiniteGuard:
-    """The first non-finite step, kept on the device: ``[step, loss, grad norm, norm checked]``,
-    step -1 while every recorded step was finite."""
+    """The first non-finite step, kept on the device: ``first_step`` (-1 while every recorded step
+    was finite) and that step's ``[loss, grad norm, norm checked]``."""
 
     def __init__(self) -> None:
-        self.state: Optional[torch.Tensor] = None
+        self.first_step: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor], skipped: bool) -> None:
         """Note step ``step``'s ``loss`` and (unless the loss scaler ``skipped`` it) ``grad_norm``;
         device operations only."""
         loss = loss.detach().to(torch.float64).reshape(())
-        device = loss.device
-        if self.state is None:
-            self.state = torch.full((4,), -1.0, dtype=torch.float64, device=device)  # no step yet
+        if self.first_step is None:
+            self.first_step = torch.full_like(loss, -1.0)
+            self.values = torch.zeros(3, dtype=torch.float64, device=loss.device)
         checked = grad_norm is not None and not skipped
-        norm = grad_norm.detach().to(device, torch.float64).reshape(()) if checked else torch.zeros_like(loss)
-        bad = ~torch.isfinite(loss) | ~torch.isfinite(norm)
-        first = bad & (self.state[0] < 0)
-        now = torch.stack([torch.full_like(loss, step), loss, norm, torch.full_like(loss, float(checked))])
-        self.state = torch.where(first, now, self.state)
+        norm = grad_norm.detach().to(loss.device, torch.float64).reshape(()) if checked else torch.zeros_like(loss)
+        # x - x is 0 exactly for finite x and NaN for NaN and inf (torch.isfinite, composite, does
+        # not run on the dry run's fake CUDA tensors in a CPU build).
+        first = ((loss - loss != 0) | (norm - norm != 0)) & (self.first_step < 0)
+        self.first_step = torch.where(first, torch.full_like(loss, step), self.first_step)
+        self.values = torch.where(first, torch.stack([loss, norm, torch.full_like(loss, float(checked))]), self.values)
 
     def verify(self) -> None:
         """Raise ``NonFiniteError`` naming the first non-finite step recorded; one host read."""
-        if self.state is None:
+        if self.first_step is None:
             return
-        step, loss, norm, checked = self.state.tolist()
+        step, loss, norm, checked = torch.cat([self.first_step.reshape(1), self.values]).tolist()
         if step >= 0:
             _raise(int(step), loss, norm if checked else None)
 
