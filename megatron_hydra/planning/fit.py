@@ -84,7 +84,8 @@ def check_fits(cfg: RunConfig, derived: Derived) -> None:
         return
     peak = plan.peak
     suggestions = fixes(cfg, derived, plan) or ["a larger trainer.devices x trainer.num_nodes or a smaller model"]
-    headroom = f" ({peak.total_bytes / GIB:.2f} planned + {peak.headroom_bytes / GIB:.2f} headroom)" if peak.headroom_bytes else ""
+    headroom = (f" ({peak.total_bytes / GIB:.2f} planned + {peak.headroom_bytes / GIB:.2f} headroom)"
+                if peak.headroom_bytes else "")
     raise ConfigError(
         f"the memory plan needs {peak.needed_bytes / GIB:.2f} GiB{headroom} on {peak.position} but a device has "
         f"{plan.device_bytes / GIB:.2f} GiB ({plan.device_source}), short by "

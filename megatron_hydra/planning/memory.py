@@ -265,7 +265,8 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
 
 # Headroom -----------------------------------------------------------------------------------------
 
-def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int, logits_dtype: torch.dtype) -> int:
+def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
+                                  logits_dtype: torch.dtype) -> int:
     """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): the
     logits in their dtype, plus their fp32 copy when they are 16-bit."""
     per_element = logits_dtype.itemsize + (4 if logits_dtype in HALF else 0)
@@ -290,10 +291,10 @@ def _headroom(cfg: RunConfig, derived: Derived, row: "RankMemory", last: bool, f
     if cfg.trainer.accelerator != "gpu":
         return row
     comms = len(nccl_communicators(derived, first_or_last, tc.tie_embeddings))
-    planned = row.total_bytes + transient
+    fragmentation = (row.total_bytes + transient) * ALLOCATOR_FRAGMENTATION / (1 - ALLOCATOR_FRAGMENTATION)
     return dataclasses.replace(row, context_bytes=CUDA_CONTEXT_BYTES,
                                nccl_bytes=NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS * comms,
-                               fragmentation_bytes=round(planned * ALLOCATOR_FRAGMENTATION / (1 - ALLOCATOR_FRAGMENTATION)))
+                               fragmentation_bytes=round(fragmentation))
 
 
 # The plan -----------------------------------------------------------------------------------------
@@ -361,8 +362,8 @@ class MemoryPlan:
         short = (peak.needed_bytes - self.device_bytes) / GIB
         verdict = "fits" if self.fits else f"does NOT fit: short by {short:.2f} GiB"
         lines.append(f"device memory {self.device_bytes / GIB:.2f} GiB ({self.device_source}); "
-                     f"needs {peak.needed_bytes / GIB:.2f} GiB on {peak.position} (planned {peak.total_bytes / GIB:.2f} "
-                     f"+ headroom {peak.headroom_bytes / GIB:.2f}): {verdict}")
+                     f"needs {peak.needed_bytes / GIB:.2f} GiB on {peak.position} "
+                     f"(planned {peak.total_bytes / GIB:.2f} + headroom {peak.headroom_bytes / GIB:.2f}): {verdict}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def _headroom_rows(self, unit: str, size: int) -> List[str]:
@@ -374,13 +375,15 @@ class MemoryPlan:
         items = [("cross-entropy transient", peak.transient_bytes,
                   "one micro-batch's logits (+ their fp32 copy if 16-bit), last stage only"),
                  ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
-                 ("NCCL buffers", peak.nccl_bytes, f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x "
-                                                   f"{NCCL_RING_PEERS} peers x {peak.nccl_bytes // per_comm} communicators"),
+                 ("NCCL buffers", peak.nccl_bytes,
+                  f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
+                  f"{peak.nccl_bytes // per_comm} communicators"),
                  ("allocator fragmentation", peak.fragmentation_bytes,
                   f"{ALLOCATOR_FRAGMENTATION:.0%} of reserved memory: planned x {ALLOCATOR_FRAGMENTATION:g}"
                   f"/{1 - ALLOCATOR_FRAGMENTATION:g}")]
         rows = [f"headroom on {peak.position} ({unit}):"]
-        rows += [f"  {name:<26}{value / size:>8.2f}   {how}" for name, value, how in items if value or peak.context_bytes]
+        shown = [item for item in items if item[1] or peak.context_bytes]  # on CPU only the transient
+        rows += [f"  {name:<26}{value / size:>8.2f}   {how}" for name, value, how in shown]
         return rows
 
 
@@ -448,7 +451,8 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
-    row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer, round(activations))
+    row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
+                     round(activations))
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
 
