@@ -257,3 +257,103 @@ def test_device_memory_must_be_positive():
     cfg = compose_config([*SMALL, "trainer.device_memory_gb=0"])
     with pytest.raises(ConfigError, match="trainer.device_memory_gb=0"):
         plan_memory(cfg, derive(cfg))
+
+
+# Headroom: the cross-entropy transient and, on GPUs, context, NCCL and fragmentation ------------------
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of storages created under the mode that are alive at once: now and at the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.live:
+                    self.live[storage.data_ptr()] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, storage.data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
+    """Measured: the bytes alive at the peak of the head's matmul, the loss and their backward, less
+    what the loss keeps for backward (its softmax, counted among the activations)."""
+    from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_hydra.planning.memory import cross_entropy_transient_bytes
+
+    b, s, h, vocab = 2, 128, 32, 4096
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, h, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, vocab, (b, s))
+    live = _LiveBytes()
+    with live:
+        loss = vocab_parallel_cross_entropy(x @ w.t(), target)
+        kept = live.now
+        loss.sum().backward()
+    transient = live.peak - kept
+    # The formula: the logits in their dtype, plus their fp32 copy when 16-bit (module docstring).
+    by_hand = b * s * vocab * {torch.float32: 4, torch.bfloat16: 2 + 4, torch.float64: 8}[dtype]
+    assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand
+    assert transient == pytest.approx(by_hand, rel=0.02)
+
+
+def test_plan_puts_the_transient_on_the_last_stage():
+    cfg = compose_config([*SMALL, "parallel=tp2_pp2", "trainer.devices=8", "precision=bf16"])
+    plan = plan_memory(cfg, derive(cfg))
+    first, last = plan.ranks
+    padded_vocab = derive(cfg).transformer.padded_vocab_size  # 500 padded for tp 2
+    assert last.transient_bytes == (2 + 4) * 2 * 32 * padded_vocab // 2  # (v + 4) b s V / t
+    assert first.transient_bytes == 0
+    assert first.context_bytes == first.nccl_bytes == first.fragmentation_bytes == 0  # CPU: no other headroom
+    assert last.needed_bytes == last.total_bytes + last.transient_bytes
+
+
+GPU_RUN = ["model=gpt_350m", "trainer=gpu", "trainer.devices=8", "parallel=tp2", "precision=bf16", "data=synthetic",
+           "data.global_batch_size=64"]
+
+
+def test_gpu_headroom_rows():
+    from megatron_hydra.planning.memory import GIB
+
+    cfg = compose_config(GPU_RUN)
+    derived = derive(cfg)
+    row = plan_memory(cfg, derived).peak
+    assert row.context_bytes == GIB // 2
+    # tp2 x dp4 on 8 GPUs: communicators tp, dp, model (tp x pp, here tp's ranks but its own) and world.
+    assert row.nccl_bytes == 4 * 2**20 * 32 * 2 * 4
+    planned = row.total_bytes + row.transient_bytes
+    assert row.fragmentation_bytes == pytest.approx(planned * 0.15 / 0.85, abs=1)
+    table = plan_memory(cfg, derived).table()
+    for name in ("cross-entropy transient", "CUDA context", "NCCL buffers", "allocator fragmentation"):
+        assert name in table
+
+
+def test_gpu_fit_check_refuses_a_plan_that_fits_only_without_headroom():
+    from megatron_hydra.planning.fit import check_fits
+    from megatron_hydra.planning.memory import GIB
+
+    cfg = compose_config(GPU_RUN)
+    peak = plan_memory(cfg, derive(cfg)).peak
+    between = (peak.total_bytes + peak.needed_bytes) / 2 / GIB  # above the tensors, below tensors + headroom
+    tight = compose_config([*GPU_RUN, f"trainer.device_memory_gb={between}"])
+    with pytest.raises(ConfigError) as err:
+        check_fits(tight, derive(tight))
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"needs {peak.needed_bytes / GIB:.2f} GiB ({peak.total_bytes / GIB:.2f} planned + " in message
+    assert f"a device has {between:.2f} GiB" in message and "short by" in message and "try " in message
+    roomy = compose_config([*GPU_RUN, f"trainer.device_memory_gb={peak.needed_bytes / GIB + 0.01}"])
+    check_fits(roomy, derive(roomy))

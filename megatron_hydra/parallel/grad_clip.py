@@ -5,6 +5,10 @@ their shard on every TP rank; TP-replicated ones only on TP rank 0; a pipeline s
 the tied embedding (``shared_embedding_copy``) not at all. The partial sums of squares are then
 added over the model-parallel (tp x pp) group. Data-parallel replicas hold identical reduced
 grads, so they need no further reduction.
+
+Nothing here reads a value on the host: the clip coefficient stays on the device and every step
+multiplies by it, clamped to at most 1 (``x * 1.0 == x`` exactly in IEEE arithmetic, NaN and inf
+included), so a GPU run never waits here for the norm.
 """
 
 from __future__ import annotations
@@ -43,9 +47,13 @@ def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, p
     norm = sq.sqrt()
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+        # Where coef < 1 this is coef; else (coef >= 1, or NaN from a NaN norm) exactly 1.
+        coef = torch.where(coef < 1, coef, torch.ones_like(coef))
+        by_dtype = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, coef.to(dtype))
     return norm
 
 

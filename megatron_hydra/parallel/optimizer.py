@@ -137,16 +137,25 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads live in the strategy's buffer and are zeroed there."""
 
-    def _found_inf(self, grads: List[torch.Tensor]) -> bool:
-        flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
-        # Every rank of the model (tp x pp) and every data-parallel replica must agree.
-        C.all_reduce(flag, self.ps.group("model"), op=dist.ReduceOp.MAX)
-        C.all_reduce(flag, self.ps.dp_cp_group, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
+        """fp16: divide the loss scale out of ``grads`` and say whether any rank's gradients hold
+        NaN or inf. One fused pass checks and unscales every tensor (no per-tensor host read); the
+        flag is reduced over the model (tp x pp) and data-parallel groups, then read on the host
+        once: skipping the step and the scaler's bookkeeping happen on the host (as in Megatron),
+        so an fp16 step waits for its gradients here, the one host sync of an fp16 step."""
+        device = grads[0].device
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        inv = 1.0 / self.scaler.scale
+        if inv <= 1.0:
+            # The fused op checks its input; multiplying by inv in (0, 1] never turns a finite
+            # value into inf, so checking before unscaling finds what checking after would.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), inv, device=device))
+        else:  # a loss scale below 1 (precision.min_loss_scale < 1): unscale first, then check
+            torch._foreach_mul_(grads, inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones((), device=device))
+        C.all_reduce(found, self.ps.group("model"), op=dist.ReduceOp.MAX)
+        C.all_reduce(found, self.ps.dp_cp_group, op=dist.ReduceOp.MAX)
+        return bool(found.item())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -158,13 +167,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         grads = [pc.main.grad for pc in self.pieces]
         allreduce_sequence_parallel_grads(params, self.ps.tp_group, grads)
         if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
-            found_inf = self._found_inf(grads)
+            found_inf = self._unscale_and_check(grads)
             self.scaler.update(found_inf)
-            if found_inf:
-                self.last_grad_norm = torch.tensor(float("nan"))
+            if found_inf:  # on the grads' device, as a computed norm would be
+                self.last_grad_norm = torch.full((), float("nan"), device=grads[0].device)
                 return None
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
                                          sharded_over_dp=self.distributed and self.buffer.dp > 1)

@@ -1,6 +1,10 @@
 """The launcher's memory check: a run whose plan exceeds a device stops before any worker starts,
 with one line that names the shortfall and the cheapest single changes that would make it fit.
 
+What is checked is the plan's ``needed_bytes``: the planned tensors plus headroom (the
+cross-entropy transient; on GPUs also the CUDA context, NCCL's buffers and allocator
+fragmentation; ``planning.memory``), so a run that fits only without headroom is refused too.
+
 "Cheapest" is an order of cost, not a measurement: selective recompute (recomputes only core
 attention, a few percent of the FLOPs), the distributed optimizer (same communication volume as
 the all-reduce), sequence parallelism (no extra communication), full recompute (one more forward,
@@ -61,12 +65,12 @@ def fixes(cfg: RunConfig, derived: Derived, plan: MemoryPlan) -> List[str]:
         if other is None:
             continue
         if other.fits:
-            fitting.append(f"{name} (peak {other.peak.total_bytes / GIB:.2f} GiB)")
+            fitting.append(f"{name} (needs {other.peak.needed_bytes / GIB:.2f} GiB)")
         else:
-            savings.append((plan.peak.total_bytes - other.peak.total_bytes, name))
+            savings.append((plan.peak.needed_bytes - other.peak.needed_bytes, name))
     if fitting:
         return fitting[:3]
-    shortfall = plan.peak.total_bytes - plan.device_bytes
+    shortfall = plan.peak.needed_bytes - plan.device_bytes
     best = [(saved, name) for saved, name in sorted(savings, reverse=True) if saved >= 0.05 * shortfall][:3]
     return [f"{name} (saves {saved / GIB:.2f} GiB, not enough alone)" for saved, name in best]
 
@@ -80,9 +84,11 @@ def check_fits(cfg: RunConfig, derived: Derived) -> None:
         return
     peak = plan.peak
     suggestions = fixes(cfg, derived, plan) or ["a larger trainer.devices x trainer.num_nodes or a smaller model"]
+    headroom = (f" ({peak.total_bytes / GIB:.2f} planned + {peak.headroom_bytes / GIB:.2f} headroom)"
+                if peak.headroom_bytes else "")
     raise ConfigError(
-        f"the memory plan needs {peak.total_bytes / GIB:.2f} GiB on {peak.position} but a device has "
+        f"the memory plan needs {peak.needed_bytes / GIB:.2f} GiB{headroom} on {peak.position} but a device has "
         f"{plan.device_bytes / GIB:.2f} GiB ({plan.device_source}), short by "
-        f"{(peak.total_bytes - plan.device_bytes) / GIB:.2f} GiB: try {'; or '.join(suggestions)} "
+        f"{(peak.needed_bytes - plan.device_bytes) / GIB:.2f} GiB: try {'; or '.join(suggestions)} "
         "(mode=plan prints the table; trainer.device_memory_gb overrides the device size)"
     )

@@ -76,6 +76,16 @@ Pipeline in-flight micro-batches (activations a rank holds at its peak), each a 
 (and zero-bubble, which runs the same warm-up): 2 (pp - i - 1) + (vpp - 1) pp + 1 chunk
 micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 (1 + (pp - 1)/(pp vpp)) x pp stages' worth); ZB-V: 2 pp chunks, as 1F1B's first stage. pp = 1: one.
+
+Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
+The cross-entropy transient, on any device, on ranks holding the last stage: while the loss of one
+micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above, the head's logits
+(v bytes) and, for 16-bit logits, their fp32 copy exist at once; in backward the softmax becomes
+the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes again), so the
+transient is (v + 4) b s V/t bytes for 16-bit logits and v b s V/t otherwise (b micro-batch,
+s the full sequence, V the padded vocabulary, sharded over t). On GPUs also the CUDA context of the
+process, NCCL's buffers and the caching allocator's fragmentation. The fit check compares the
+planned bytes plus headroom with the device (``MemoryPlan.fits``).
 """
 
 from __future__ import annotations
@@ -104,6 +114,28 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 PLANNED_ARCHS = ("gpt",)  # the models whose chunks the plan builds (GPTModel)
 # A GPU config planned on a machine without one: the memory of an 80 GB A100/H100.
 ASSUMED_GPU_MEMORY_GB = 80.0
+
+# Headroom on GPUs (module docstring). Not measured here (no GPU is lent to this project); each value
+# says where it comes from.
+# The CUDA context of one process (driver state, the kernels it loads, cuBLAS workspaces): about
+# 0.5 GiB for a torch training process on A100/H100-class GPUs with CUDA 12, whose lazy loading
+# (CUDA_MODULE_LOADING=LAZY, the default on Linux since CUDA 12.2: CUDA C++ Programming Guide,
+# "Lazy Loading") loads only the kernels a process uses, where eager loading took 1 GiB and more.
+CUDA_CONTEXT_BYTES = GIB // 2
+# NCCL's buffers: NCCL_BUFFSIZE (4 MiB by default: NCCL's environment-variable documentation) for
+# each peer connection of each channel, a ring channel connecting a rank to two peers (previous and
+# next), up to NCCL_MAX_NCHANNELS channels per communicator (32: NCCL's MAXCHANNELS, which NVSwitch
+# nodes use), one communicator per process group of more than one rank that this rank runs
+# collectives on. Bytes = NCCL_BUFFSIZE x channels x 2 peers x communicators (``nccl_communicators``);
+# the LL/LL128 protocol buffers are left out, and so are connections NCCL never opens.
+NCCL_BUFFSIZE = 4 * 2**20
+NCCL_CHANNELS = 32
+NCCL_RING_PEERS = 2
+# The caching allocator's fragmentation: memory it holds but cannot hand out, as a fraction of
+# what it holds. Guo et al., "GMLake" (ASPLOS 2024), measure PyTorch's caching allocator on eight
+# LLM fine-tuning/training setups on A100-80GB and remove 15% fragmentation on average (up to 33%),
+# so 15% of reserved memory is fragmentation: planned bytes x 0.15 / (1 - 0.15) on top of them.
+ALLOCATOR_FRAGMENTATION = 0.15
 
 
 # Byte rules -------------------------------------------------------------------------------------
@@ -258,6 +290,40 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
     return min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp)
 
 
+# Headroom -----------------------------------------------------------------------------------------
+
+def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
+                                  logits_dtype: torch.dtype) -> int:
+    """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): the
+    logits in their dtype, plus their fp32 copy when they are 16-bit."""
+    per_element = logits_dtype.itemsize + (4 if logits_dtype in HALF else 0)
+    return per_element * micro_batch * seq * padded_vocab // tp
+
+
+def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> List[str]:
+    """The process groups of more than one rank that a rank runs NCCL collectives on (each its own
+    communicator, even where two groups hold the same ranks)."""
+    names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("dp_cp", derived.dp * derived.cp),
+                                      ("model", derived.tp * derived.pp), ("world", derived.world_size)) if size > 1]
+    if derived.pp > 1 and tied and first_or_last:
+        names.append("embedding")
+    return names
+
+
+def _headroom(cfg: RunConfig, derived: Derived, row: "RankMemory", last: bool, first_or_last: bool) -> "RankMemory":
+    tc = derived.transformer
+    transient = cross_entropy_transient_bytes(cfg.data.micro_batch_size, tc.seq_length, tc.padded_vocab_size,
+                                              derived.tp, tc.params_dtype) if last else 0
+    row = dataclasses.replace(row, transient_bytes=transient)
+    if cfg.trainer.accelerator != "gpu":
+        return row
+    comms = len(nccl_communicators(derived, first_or_last, tc.tie_embeddings))
+    fragmentation = (row.total_bytes + transient) * ALLOCATOR_FRAGMENTATION / (1 - ALLOCATOR_FRAGMENTATION)
+    return dataclasses.replace(row, context_bytes=CUDA_CONTEXT_BYTES,
+                               nccl_bytes=NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS * comms,
+                               fragmentation_bytes=round(fragmentation))
+
+
 # The plan -----------------------------------------------------------------------------------------
 
 @dataclass
@@ -270,6 +336,11 @@ class RankMemory:
     optimizer_bytes: int
     activation_bytes: int
     pipeline_buffer_bytes: int = 0
+    # Headroom (module docstring): not in ``total_bytes``, in ``needed_bytes``.
+    transient_bytes: int = 0
+    context_bytes: int = 0
+    nccl_bytes: int = 0
+    fragmentation_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -279,7 +350,17 @@ class RankMemory:
 
     @property
     def total_bytes(self) -> int:
+        """The planned tensors: what the rank holds at its peak besides transients."""
         return self.static_bytes + self.activation_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.transient_bytes + self.context_bytes + self.nccl_bytes + self.fragmentation_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the device must have: the planned tensors plus headroom."""
+        return self.total_bytes + self.headroom_bytes
 
 
 @dataclass
@@ -292,27 +373,52 @@ class MemoryPlan:
 
     @property
     def peak(self) -> RankMemory:
-        return max(self.ranks, key=lambda r: r.total_bytes)
+        """The rank that needs the most (planned tensors plus headroom)."""
+        return max(self.ranks, key=lambda r: r.needed_bytes)
 
     @property
     def fits(self) -> bool:
-        return self.peak.total_bytes <= self.device_bytes
+        return self.peak.needed_bytes <= self.device_bytes
 
     def table(self) -> str:
-        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p buffers", "activations", "total")
+        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p bufs", "activations", "total", "headroom",
+                "needs")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
-        unit, size = ("GiB", GIB) if self.peak.total_bytes >= GIB else ("MiB", 2**20)
+        unit, size = ("GiB", GIB) if self.peak.needed_bytes >= GIB else ("MiB", 2**20)
         lines = [self.title] if self.title else []
-        lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>13}" for c in cols) + f"   ({unit})")
+        lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>12}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
             values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.pipeline_buffer_bytes,
-                      r.activation_bytes, r.total_bytes)
-            lines.append(f"{r.position:<{width}}{_count(r.params):>13}" + "".join(f"{x / size:>13.2f}" for x in values))
+                      r.activation_bytes, r.total_bytes, r.headroom_bytes, r.needed_bytes)
+            lines.append(f"{r.position:<{width}}{_count(r.params):>12}" + "".join(f"{x / size:>12.2f}" for x in values))
         peak = self.peak
-        verdict = "fits" if self.fits else f"does NOT fit: short by {(peak.total_bytes - self.device_bytes) / GIB:.2f} GiB"
+        lines += self._headroom_rows(unit, size)
+        short = (peak.needed_bytes - self.device_bytes) / GIB
+        verdict = "fits" if self.fits else f"does NOT fit: short by {short:.2f} GiB"
         lines.append(f"device memory {self.device_bytes / GIB:.2f} GiB ({self.device_source}); "
-                     f"peak {peak.total_bytes / GIB:.2f} GiB on {peak.position}: {verdict}")
+                     f"needs {peak.needed_bytes / GIB:.2f} GiB on {peak.position} "
+                     f"(planned {peak.total_bytes / GIB:.2f} + headroom {peak.headroom_bytes / GIB:.2f}): {verdict}")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def _headroom_rows(self, unit: str, size: int) -> List[str]:
+        """The headroom of the rank that needs the most, item by item (module docstring)."""
+        peak = self.peak
+        if not peak.headroom_bytes:
+            return []
+        per_comm = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
+        items = [("cross-entropy transient", peak.transient_bytes,
+                  "one micro-batch's logits (+ their fp32 copy if 16-bit), last stage only"),
+                 ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
+                 ("NCCL buffers", peak.nccl_bytes,
+                  f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
+                  f"{peak.nccl_bytes // per_comm} communicators"),
+                 ("allocator fragmentation", peak.fragmentation_bytes,
+                  f"{ALLOCATOR_FRAGMENTATION:.0%} of reserved memory: planned x {ALLOCATOR_FRAGMENTATION:g}"
+                  f"/{1 - ALLOCATOR_FRAGMENTATION:g}")]
+        rows = [f"headroom on {peak.position} ({unit}):"]
+        shown = [item for item in items if item[1] or peak.context_bytes]  # on CPU only the transient
+        rows += [f"  {name:<26}{value / size:>8.2f}   {how}" for name, value, how in shown]
+        return rows
 
 
 def _count(n: int) -> str:
@@ -379,8 +485,10 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
-    return RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer, round(activations),
-                      pipeline_buffer_bytes(cfg, derived, pp_rank))
+    row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
+                     round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank))
+    first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
+    return _headroom(cfg, derived, row, last, first != last)
 
 
 def _merge(rows: List[RankMemory]) -> List[RankMemory]:

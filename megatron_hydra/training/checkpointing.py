@@ -12,8 +12,13 @@ consumed-samples counter is the module's own, carried over as saved: a resumed r
 what interrupted saves and prunes left behind (``store.clean``).
 
 SIGTERM, SIGUSR1 and SIGUSR2 (the warning signals SLURM and submitit send before a time limit)
-only set a flag; at the next step boundary the ranks agree on it with a one-element all-reduce (a
-signal may reach them at different steps), save, and stop cleanly. ``checkpoint.resume=auto`` then
+only set a flag; the ranks agree on it with a one-element all-reduce (a signal may reach them at
+different steps), save, and stop cleanly. The all-reduce and its host read would stall a GPU step,
+so the ranks agree only after the steps ``module.host_sync_step`` names, the same on every rank:
+the logging steps (``trainer.log_every_n_steps``) and the steps a checkpoint is due anyway. A stop
+request therefore takes effect after at most ``trainer.log_every_n_steps - 1`` more steps than it
+would if agreed after every step (none at the default interval of 1; up to 9 steps at the GPU
+trainer's 10), still at a step boundary, with a save on every rank. ``checkpoint.resume=auto`` then
 continues the run. Inside a SLURM job a warning signal also requeues the job once the save is
 complete (``checkpoint.requeue_on_signal``): this callback is the only owner of those signals while
 training, in place of submitit's and Lightning's requeue handlers (docs/cluster.md).
@@ -34,6 +39,7 @@ from megatron_hydra.checkpoint import plan, sharded, store
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.training.module import host_sync_step
 
 log = logging.getLogger("megatron_hydra")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -132,6 +138,8 @@ class CheckpointCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, every = trainer.global_step, self.cfg.checkpoint.every_n_steps
+        if not host_sync_step(step - 1, self.cfg):  # no scheduled save either (see the module docstring)
+            return
         stop = self._agree_to_stop(pl_module.device)
         self.save_due = bool(stop or (every and step % every == 0))
         if stop:
@@ -160,6 +168,9 @@ class CheckpointCallback(pl.Callback):
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         step = trainer.global_step
         self.save_due = False
+        guard = getattr(pl_module, "guard", None)
+        if guard is not None:  # never write weights that a non-finite step updated
+            guard.verify()
         for logger in trainer.loggers:  # the history up to this step reaches disk before the checkpoint
             logger.save()
         path = store.step_dir(self.dir, step)

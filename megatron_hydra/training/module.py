@@ -7,6 +7,17 @@ micro-batch's backward) and clips them when the optimizer steps. The logged loss
 the whole global batch, identical for every layout. A loss or gradient norm that is NaN or inf
 stops the run (``training.guard``).
 
+No host sync per step. A GPU step is a queue of kernels the host runs ahead of; anything that
+reads a device value on the host (``.item()``, ``float(t)``, ``if t < x``, logging a tensor that
+Lightning converts) makes the host wait for the queue to drain. Such reads happen only at the
+steps ``host_sync_step`` names, the same on every rank: the logging steps
+(``trainer.log_every_n_steps``) and the steps after which a checkpoint is due. There the guard
+reads its flag, the metrics are read in one transfer and logged as host tensors, and the
+checkpoint callback agrees on a stop request. Throughput and MFU are averaged over the steps since
+the previous logging step (a single step's wall time means nothing when the host runs ahead).
+fp16 is the exception: its loss scaler decides on the host whether to skip a step, one read per
+step (``parallel.optimizer``).
+
 With pipeline parallelism (pp > 1) ``self.model`` is a ``ModuleList`` of this rank's model chunks
 (one per virtual stage it holds, each a ``GPTModel`` keyed by logical layer names) and the
 micro-batches run through the pipeline schedule (``parallel.pipeline``) instead of the loop.
@@ -14,9 +25,10 @@ micro-batches run through the pipeline schedule (``parallel.pipeline``) instead 
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
-from typing import Dict
+from typing import Dict, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -29,9 +41,22 @@ from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
-from megatron_hydra.training.guard import check_finite
+from megatron_hydra.planning.peak import device_peak_tflops
+from megatron_hydra.training.guard import FiniteGuard
 from megatron_hydra.training.lr_schedule import lr_at
 from megatron_hydra.training.precision import DynamicLossScaler
+
+log = logging.getLogger("megatron_hydra")
+
+
+def host_sync_step(step: int, cfg: RunConfig) -> bool:
+    """Whether the step just trained (``step``, 0-based) is one at which every rank reads device
+    values on the host: a step Lightning logs (it logs step ``step`` when ``step + 1`` is a multiple
+    of ``trainer.log_every_n_steps``) or one after which a checkpoint is due (``step + 1`` a multiple
+    of ``checkpoint.every_n_steps``). A function of the step and the config alone, so every rank
+    picks the same steps without communicating."""
+    every = cfg.checkpoint.every_n_steps
+    return (step + 1) % cfg.trainer.log_every_n_steps == 0 or bool(every and (step + 1) % every == 0)
 
 
 def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
@@ -63,7 +88,12 @@ class LMModule(pl.LightningModule):
             init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
-        self._last_step_end = None
+        # Throughput window: when it started (None: at the next step) and the steps it holds.
+        self._window_start: Optional[float] = None
+        self._window_steps = 0
+        # Dense peak TFLOP/s of this rank's device for MFU (``on_train_start``); None: no MFU.
+        self.peak_tflops: Optional[float] = None
+        self.guard = FiniteGuard()
         # Samples trained on so far: carried as is through checkpoints (a resumed run may use
         # another global batch size, so it is not step x batch).
         self.consumed_samples = 0
@@ -124,21 +154,30 @@ class LMModule(pl.LightningModule):
         return value / self.ps.dp_size
 
     # Training --------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        if self.ps.rank != 0:  # only rank 0 logs
+            return
+        tcfg = self.derived.transformer
+        self.peak_tflops, source = device_peak_tflops(self.device, tcfg.hidden_size, tcfg.params_dtype)
+        if self.peak_tflops is None:
+            log.info("mfu not logged: %s", source)
+        else:
+            log.info("mfu against %.4g TFLOP/s: %s", self.peak_tflops, source)
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if self._last_step_end is None:
-            self._last_step_end = time.perf_counter()
+        if self._window_start is None:
+            self._window_start, self._window_steps = time.perf_counter(), 0
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         strategy = self.trainer.strategy
         step = self.trainer.global_step
         loss, lr, skipped = self.optimizer_step_over(batch, strategy, self.optimizers(), step)
-        check_finite(step, loss, strategy.last_grad_norm, skipped)
+        self.guard.record(step, loss, strategy.last_grad_norm, skipped)
         self.consumed_samples += self.cfg.data.global_batch_size
-        self._log_step(loss, lr, strategy.last_grad_norm)
-        if self.loss_scaler is not None:
-            self.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
-            self.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False,
-                     rank_zero_only=True, batch_size=1)
+        self._window_steps += 1
+        if host_sync_step(step, self.cfg):
+            self.guard.verify()  # before anything of a non-finite step is logged
+            self._log_step(loss, lr, strategy.last_grad_norm)
 
     def optimizer_step_over(self, batch: Dict[str, torch.Tensor], strategy, optimizer, step: int):
         """Forward, backward and the optimizer step over this rank's share of one global batch.
@@ -182,22 +221,33 @@ class LMModule(pl.LightningModule):
             total += loss.detach()
         return total / len(micro)
 
-    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm) -> None:
-        # Wall time since the previous step ended: data loading, Lightning's loop and logging
+    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm: Optional[torch.Tensor]) -> None:
+        """Log this step's metrics. The device values are read in one transfer and logged as host
+        (CPU) tensors: Lightning converts progress-bar values with ``.item()`` at every step's end,
+        and a Python number it would first copy onto the device."""
+        read = [loss.detach().double().reshape(())]
+        if grad_norm is not None:
+            read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
+        values = torch.stack(read).tolist()  # the host read of this logging step
+        # Wall time since the window began: data loading, Lightning's loop, logging and saves
         # included, so tokens/s is what the whole run achieves, not just the model's math.
         now = time.perf_counter()
-        elapsed, self._last_step_end = now - self._last_step_end, now
-        world = self.derived.world_size
-        metrics = {
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": self.tokens_per_step / elapsed,
-            "tflops_per_rank": self.flops_per_step / elapsed / world / 1e12,
-            "consumed_samples": float(self.consumed_samples),
-        }
+        elapsed, steps = now - self._window_start, self._window_steps
+        self._window_start, self._window_steps = now, 0
+        tflops = steps * self.flops_per_step / elapsed / self.derived.world_size / 1e12
+        metrics = {"loss": (values[0], loss.dtype), "lr": lr}
+        if grad_norm is not None:
+            metrics["grad_norm"] = (values[1], grad_norm.dtype)
+        metrics.update(tokens_per_s=steps * self.tokens_per_step / elapsed, tflops_per_rank=tflops,
+                       consumed_samples=float(self.consumed_samples))
+        if self.peak_tflops is not None:
+            metrics["mfu"] = 100.0 * tflops / self.peak_tflops  # percent of the device's dense peak
+        if self.loss_scaler is not None:
+            metrics.update(loss_scale=self.loss_scaler.scale, skipped_steps=float(self.loss_scaler.skipped_steps))
         for name, value in metrics.items():
-            self.log(name, value, prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank"),
+            value, dtype = value if isinstance(value, tuple) else (value, torch.get_default_dtype())
+            self.log(name, torch.tensor(value, dtype=dtype),
+                     prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank", "mfu"),
                      on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
     # Validation ------------------------------------------------------------------------------
@@ -213,7 +263,7 @@ class LMModule(pl.LightningModule):
         self._val_losses.append(self._dp_mean(loss))
 
     def on_validation_epoch_end(self) -> None:
-        self._last_step_end = None  # validation time is not training throughput
+        self._window_start = None  # validation time is not training throughput
         if self._val_losses:
             loss = torch.stack(self._val_losses).mean()
             self.log("val_loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
