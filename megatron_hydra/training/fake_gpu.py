@@ -58,13 +58,18 @@ class DryRunError(MegatronHydraError):
     """The step would fail on the GPU: the message names the op and where this package called it."""
 
 
+# Whether a dry run is in progress. Outside one the stand-in reports itself unavailable, so the
+# rest of the process (a test session, say) never picks it as its accelerator.
+_active = False
+
+
 class _DeviceModule:
     """``torch.<FAKE_DEVICE>``: what torch asks of a device module (``torch.cuda``'s counterpart)
     when it forks random states or synchronises. A fake device has no random state: an empty one
     is saved and restored."""
 
     def is_available(self) -> bool:
-        return True
+        return _active
 
     def is_initialized(self) -> bool:
         return True
@@ -97,6 +102,19 @@ class _DeviceModule:
         pass
 
 
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    """What torch's C++ side asks of the backend: available only during a dry run."""
+
+    def is_available(self) -> bool:
+        return _active
+
+    def has_primary_context(self, dev_id) -> bool:
+        return _active
+
+    def is_built(self) -> bool:
+        return True
+
+
 def register() -> torch.device:
     """Make ``FAKE_DEVICE`` a device type of this process (once; torch allows one rename) and
     return the device the dry run runs on."""
@@ -108,7 +126,8 @@ def register() -> torch.device:
     if name != "privateuseone":
         raise DryRunError(f"the dry run needs torch's PrivateUse1 backend, but this process already registered it as "
                           f"{name!r}: run the dry run in its own process")
-    backend_registration._setup_privateuseone_for_python_backend(rename=FAKE_DEVICE, backend_module=_DeviceModule())
+    backend_registration._setup_privateuseone_for_python_backend(rename=FAKE_DEVICE, backend_module=_DeviceModule(),
+                                                                 hook=_Hooks())
     return torch.device(FAKE_DEVICE, 0)
 
 
@@ -249,9 +268,19 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
     """Within the block every tensor is fake and every op is checked; ``register()`` first."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    global _active
     check = check or DeviceAndDtypeCheck()
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(check)
         stack.enter_context(_AsOnGpu())
-        yield check
+        _active = True
+        try:
+            yield check
+        finally:
+            _active = False
+
+
+# Registered on import, not on first use: torch's autograd engine sizes its per-device queues at
+# the first backward of the process, and a device type that appears later has none.
+register()
