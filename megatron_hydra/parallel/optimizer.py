@@ -245,8 +245,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         keeps one count per param group (``group["step"]``, see ``_step``)."""
         state = self.inner.state[pc.main]
         if not state:
-            if self.impl != "apex":
-                state["step"] = torch.tensor(0.0, dtype=step_dtype)
+            if self.impl != "apex":  # the fused kernel reads it on the parameter's device
+                device = pc.main.device if self.impl == "fused" else "cpu"
+                state["step"] = torch.zeros((), dtype=step_dtype, device=device)
             for key in ADAM_KEYS:
                 state[key] = torch.zeros_like(pc.main, memory_format=torch.preserve_format)
         return state
