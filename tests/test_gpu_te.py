@@ -124,7 +124,7 @@ def test_te_tp2_follows_local_tp2(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
 
 
-def _optimizer_on_cuda(impl):
+def _optimizer_on_cuda(impl, seed=1234):
     from megatron_hydra.models.gpt import GPTModel
     from megatron_hydra.models.init import init_weights
     from megatron_hydra.parallel.data_parallel import GradBuffer
@@ -133,24 +133,51 @@ def _optimizer_on_cuda(impl):
 
     tcfg = derive(compose_config(MODEL)).transformer
     model = GPTModel(tcfg, ParallelState.single(), device="cuda")
-    init_weights(model, tcfg, 1234, 0, 1)
+    init_weights(model, tcfg, seed, 0, 1)
     buffer = GradBuffer(model.parameters(), None, 10**8)
     opt = MegatronOptimizer(model, buffer, ParallelState.single(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, clip_grad=1.0, impl=impl)
-    for step in range(5):
+    return tcfg, model, opt
+
+
+def _steps(model, opt, steps):
+    from megatron_hydra.models.init import VOCAB_TABLES
+
+    for step in steps:
         gen = torch.Generator(device="cuda").manual_seed(step)
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.main_grad.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 1e-2)
+            if name in VOCAB_TABLES:  # no gradient reaches the padding rows
+                p.main_grad[model.cfg.vocab_size:] = 0
         opt.step()
-    return {n: p.detach() for n, p in model.named_parameters()}, opt
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("impl", ["fused", "apex"])
 def test_cuda_adamw_kernels_equal_foreach(impl):
     need(*(("apex", "amp_C") if impl == "apex" else ()))
-    ref, _ = _optimizer_on_cuda("foreach")
-    ours, opt = _optimizer_on_cuda(impl)
+    ref = _steps(*_optimizer_on_cuda("foreach")[1:], range(5))
+    _, model, opt = _optimizer_on_cuda(impl)
+    ours = _steps(model, opt, range(5))
     if impl == "fused":
         assert opt.inner.state[opt.pieces[0].main]["step"].device.type == "cuda"
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-6, atol=1e-6 * ref[name].abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("impl", ["fused", "apex"])
+def test_cuda_adamw_checkpoints_resume_exactly(impl, tmp_path):
+    need(*(("apex", "amp_C") if impl == "apex" else ()))
+    from megatron_hydra.checkpoint.sharded import load, save
+    from megatron_hydra.parallel.state import ParallelState
+
+    ref = _steps(*_optimizer_on_cuda(impl)[1:], range(4))
+    tcfg, model, opt = _optimizer_on_cuda(impl)
+    _steps(model, opt, range(2))
+    save(str(tmp_path / "ckpt"), model, opt, ParallelState.single(), tcfg.vocab_size,
+         {"step": 2, "consumed_samples": 16, "shapes": {}}, rng_states=False)
+    _, model, opt = _optimizer_on_cuda(impl, seed=99)
+    load(str(tmp_path / "ckpt"), model, opt, ParallelState.single(), tcfg.vocab_size)
+    ours = _steps(model, opt, range(2, 4))
+    for name in ref:
+        assert torch.equal(ours[name], ref[name]), name
