@@ -21,8 +21,11 @@ IMPLS = ("fused", "foreach", "apex")
 
 @pytest.fixture(autouse=True)
 def apex_double():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread, no waiting for a busy second core
     with gpu_doubles.installed():
         yield
+    torch.set_num_threads(threads)
 
 
 def _build(impl, seed=1234, distributed=False):

@@ -72,11 +72,14 @@ def _logical(model, grads=False):
 
 @pytest.fixture
 def te_double():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread, no waiting for a busy second core
     with gpu_doubles.installed():
         import transformer_engine.pytorch as te
 
         te.AUTOCASTS.clear()
         yield te
+    torch.set_num_threads(threads)
 
 
 # The mapping, from shapes alone -------------------------------------------------------------------
