@@ -6,8 +6,8 @@ CPU without Transformer Engine can check it.
 - Through a test double of ``transformer_engine.pytorch`` (tests/doubles: TE's constructor
   signatures, plain-torch forward): a checkpoint saved with the local layers fills every TE
   parameter (and its Adam state) with what the mapping says, checked against hand-written
-  expectations too, and local -> TE -> local is the identity; TE and local logits, gradients and
-  KV-cache generation agree at tp=1 (fp64); at tp=2 on two gloo ranks, with and without sequence
+  expectations too, and local -> TE -> local is the identity; TE and local logits, gradients,
+  attention dropout and KV-cache generation agree at tp=1 (fp64); at tp=2 on two gloo ranks, with and without sequence
   parallelism, TE's shards equal the single-process model's, and FP8 autocast gets the recipe and
   the dp x tp amax group.
 - The config and preflight errors of the switches.
@@ -230,6 +230,26 @@ def test_te_logits_gradients_and_generation_equal_local(te_double, variant):
     greedy = SamplingConfig(greedy=True)
     assert generate(te_model, [3, 1, 4], 8, greedy) == generate(local, [3, 1, 4], 8, greedy)
     assert te_double.AUTOCASTS == []  # no FP8 asked for
+
+
+def test_te_attention_dropout_draws_from_the_tp_sharded_stream(te_double):
+    # DotProductAttention gets our TP-sharded stream as its RNG tracker: the same masks as the
+    # local attention's. (Hidden dropout is ours in both; it draws on [s, b, h] instead of
+    # [b, s, h] on TE, so its masks are other, equally distributed ones.)
+    from megatron_hydra.parallel.random import seed_model_parallel
+    from megatron_hydra.parallel.state import ParallelState
+
+    tcfg, ps = dataclasses.replace(_tcfg([*SMALL, *VARIANTS["llama"]]), attention_dropout=0.2), ParallelState.single()
+    local, te_model = _gpt(tcfg, ps, seed=3), _gpt(_te(tcfg), ps, seed=3)
+    tokens = torch.randint(0, tcfg.vocab_size, (2, tcfg.seq_length), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (local, te_model):
+        seed_model_parallel(5, 0)
+        logits.append(model(tokens)[..., :tcfg.vocab_size])
+    seed_model_parallel(6, 0)
+    other = local(tokens)[..., :tcfg.vocab_size]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(other, logits[0])  # dropout did draw
 
 
 def test_fp8_autocast_wraps_the_stack_with_the_configured_recipe(te_double):
