@@ -7,9 +7,10 @@ CPU without Transformer Engine can check it.
   signatures, plain-torch forward): a checkpoint saved with the local layers fills every TE
   parameter (and its Adam state) with what the mapping says, checked against hand-written
   expectations too, and local -> TE -> local is the identity; TE and local logits, gradients,
-  attention dropout and KV-cache generation agree at tp=1 (fp64); at tp=2 on two gloo ranks, with and without sequence
-  parallelism, TE's shards equal the single-process model's, and FP8 autocast gets the recipe and
-  the dp x tp amax group.
+  attention dropout and KV-cache generation agree at tp=1 (fp64); at tp=2 on two gloo ranks, with
+  and without sequence parallelism, TE's loss and every gradient shard equal the single-process
+  model's, its tp=2 checkpoint loads into the single-process local model exactly, and FP8
+  autocast gets the recipe and the dp x tp amax group.
 - The config and preflight errors of the switches.
 
 What only a GPU proves (real TE kernels, FP8 numerics) is tests/test_gpu_te.py's.
@@ -277,7 +278,7 @@ def test_fp8_autocast_wraps_the_stack_with_the_configured_recipe(te_double):
         _gpt(_te(tcfg, fp8=FP8Recipe(recipe="current")), ps)
 
 
-def _tp2_rank(rank, world, variant, sequence_parallel):
+def _tp2_rank(rank, world, variant, sequence_parallel, path):
     gpu_doubles.install()
     import torch.distributed as dist
     import transformer_engine.pytorch as te
@@ -313,16 +314,26 @@ def _tp2_rank(rank, world, variant, sequence_parallel):
             ref = ref.chunk(2, dim=dim)[rank]
         errors[lp.name] = (grad - ref).abs().max().item()
     (enabled, _, group), = te.AUTOCASTS
-    return errors, enabled, dist.get_process_group_ranks(group)
+    # Saved by TE at tp=2 (SwiGLU's fc1: each rank's [gate shard; up shard]), loaded whole by
+    # the local layers: the single-process model's weights, bit for bit.
+    from megatron_hydra.checkpoint.sharded import load, save
+
+    save(path, te_model, None, ps2, tcfg1.vocab_size, {"step": 0, "consumed_samples": 0, "shapes": {}},
+         rng_states=False)
+    back = _gpt(tcfg1, ps1, seed=6)
+    load(path, back, None, ps1, tcfg1.vocab_size, load_optimizer=False)
+    same = all(torch.equal(p, dict(local.named_parameters())[n]) for n, p in back.named_parameters())
+    return errors, enabled, dist.get_process_group_ranks(group), same
 
 
 @pytest.mark.parametrize("variant,sequence_parallel", [("gpt", False), ("llama", True)])
-def test_te_at_tp2_equals_the_single_process_model(variant, sequence_parallel):
-    results = spawn_ranks(_tp2_rank, 2, variant, sequence_parallel)
+def test_te_at_tp2_equals_the_single_process_model(variant, sequence_parallel, tmp_path):
+    results = spawn_ranks(_tp2_rank, 2, variant, sequence_parallel, str(tmp_path / "te_tp2"))
     assert len(results) == 2
-    for errors, enabled, amax_ranks in results.values():
+    for errors, enabled, amax_ranks, checkpoint_loads_whole in results.values():
         assert enabled and amax_ranks == [0, 1]  # the amax group: dp x cp x tp (here tp=2)
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+        assert checkpoint_loads_whole
 
 
 # Config and preflight -----------------------------------------------------------------------------
