@@ -154,10 +154,31 @@ def check_gpus(cfg: RunConfig, external: Optional[ExternalLaunch], visible: int)
         )
 
 
+def check_gpu_switches(cfg: RunConfig) -> None:
+    """Transformer Engine (model.transformer_impl, precision.fp8) and apex (optim.impl) must be
+    installed here, and run on GPUs (docs/gpu.md). Found without importing them."""
+    from importlib.util import find_spec
+
+    wanted = []
+    if cfg.model.transformer_impl == "transformer_engine":
+        wanted.append(("model.transformer_impl=transformer_engine", ("transformer_engine",),
+                       "NVIDIA Transformer Engine", "model.transformer_impl=local"))
+    if cfg.optim.impl == "apex":  # amp_C: apex's CUDA extensions (PyPI's "apex" is another package)
+        wanted.append(("optim.impl=apex", ("apex", "amp_C"), "NVIDIA apex with its CUDA extensions (amp_C)",
+                       "optim.impl=auto"))
+    for switch, modules, package, fix in wanted:
+        if not all(find_spec(m) is not None for m in modules):
+            raise ConfigError(f"{switch} needs {package}, which this environment lacks (NVIDIA's NGC PyTorch image "
+                              f"has it, see the Dockerfile): use {fix}")
+        if cfg.trainer.accelerator != "gpu":
+            raise ConfigError(f"{switch} runs on GPUs: use trainer=gpu, or {fix}")
+
+
 def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> None:
     """Checks that need the machine (not just the config), still before any worker starts."""
     from megatron_hydra.parallel.device import visible_gpus
 
+    check_gpu_switches(cfg)
     check_local_cpu_ranks(cfg, external)
     check_gpus(cfg, external, visible_gpus() if cfg.trainer.accelerator == "gpu" else 0)
     from megatron_hydra.checkpoint.plan import start_point

@@ -5,6 +5,7 @@ metadata through ``meta``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, List, Optional
 
@@ -19,10 +20,12 @@ def checkpoint_dir(cfg: RunConfig) -> str:
 
 
 def logical_shapes(derived: Derived) -> Dict[str, List[int]]:
-    """Every logical tensor of the whole model and its shape, from a model on the meta device."""
+    """Every logical tensor of the whole model and its shape, from a model on the meta device
+    (of the local implementation: the logical tensors are the same for every one)."""
     from megatron_hydra.models.archs import ARCHS
 
-    model = ARCHS[derived.transformer.arch].build(derived.transformer, ParallelState.single(), device="meta")
+    tcfg = dataclasses.replace(derived.transformer, transformer_impl="local", fp8=None)
+    model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
     return sharded.logical_shapes(model, 1, derived.transformer.vocab_size)
 
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_hydra.checkpoint import rng, store
 from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
 from megatron_hydra.errors import CheckpointError
+from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.state import ParallelState
@@ -46,23 +47,32 @@ OPTIMIZER_KEYS = ADAM_KEYS + ("main",)
 
 @dataclass
 class Entry:
-    """One local parameter and how it maps onto its logical tensor."""
+    """One local shard of a logical tensor and how it maps onto it."""
 
     name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor  # the parameter, or the rows of one that hold this tensor (see ``owner``)
     dim: Optional[int]  # TP-sharded dim, None when replicated over TP
     vocab: bool  # a padded vocabulary table
     copy: bool  # the last stage's copy of the tied embedding
+    # The parameter holding ``param`` (its optimizer state is keyed by it) and, when it holds
+    # several logical tensors (Transformer Engine's fc1 with SwiGLU's gate and up), which rows.
+    owner: Optional[torch.nn.Parameter] = None
+    rows: Optional[slice] = None
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This entry's rows of a tensor shaped like ``owner`` (its optimizer state)."""
+        return t if self.rows is None else t[self.rows]
 
 
 def entries(model: torch.nn.Module) -> List[Entry]:
-    """This rank's parameters under their logical names. ``model`` is a ``GPTModel`` or, under
-    pipeline parallelism, a ``ModuleList`` of them (one per virtual stage): each chunk's own
-    ``named_parameters`` are already logical, so the chunk index is simply dropped."""
+    """This rank's parameters under their logical names, whichever implementation holds them
+    (``models.backends.logical_parameters``). ``model`` is a ``GPTModel`` or, under pipeline
+    parallelism, a ``ModuleList`` of them (one per virtual stage): each chunk's names are already
+    logical, so the chunk index is simply dropped."""
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
-    return [Entry(name, p, getattr(p, "tp_partition_dim", None), name in VOCAB_TABLES,
-                  getattr(p, "shared_embedding_copy", False))
-            for chunk in chunks for name, p in chunk.named_parameters()]
+    return [Entry(lp.name, lp.tensor, getattr(lp.param, "tp_partition_dim", None), lp.name in VOCAB_TABLES,
+                  getattr(lp.param, "shared_embedding_copy", False), lp.param, lp.rows)
+            for chunk in chunks for lp in logical_parameters(chunk)]
 
 
 def logical_shape(e: Entry, tp_size: int, vocab_size: int) -> List[int]:
@@ -120,11 +130,11 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
             continue
         sd[f"model/{e.name}"] = _saved_view(e.param, e, ps, vocab_size)
         if optimizer is not None:
-            state = states[e.param]
+            state = states[e.owner]
             sd[f"optim/{e.name}/step"] = state["step"]
             for key in OPTIMIZER_KEYS:
                 if key in state:
-                    sd[_key(e.name, key)] = _saved_view(state[key], e, ps, vocab_size)
+                    sd[_key(e.name, key)] = _saved_view(e.part(state[key]), e, ps, vocab_size)
     return sd
 
 
@@ -322,16 +332,16 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
         # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
         full = e.param.dtype == torch.float32 and f"main/{e.name}" in metadata
         loader.add(f"main/{e.name}" if full else f"model/{e.name}", e.param, e)
-        if e.param in states:
-            state = states[e.param]
+        if e.owner in states:
+            state = states[e.owner]
             loader.add(f"optim/{e.name}/step", state["step"], Entry(e.name, e.param, None, False, e.copy))
             for key in OPTIMIZER_KEYS:
                 if key not in state:
                     continue
                 if _key(e.name, key) in metadata:
-                    loader.add(_key(e.name, key), state[key], e)
+                    loader.add(_key(e.name, key), e.part(state[key]), e)
                 else:  # fp32 main weights of a checkpoint saved without them: from the model's
-                    missing_main.append((state[key], e.param))
+                    missing_main.append((e.part(state[key]), e.param))
     safe_load(loader.sd, path)
     loader.finish()
     with torch.no_grad():

@@ -49,6 +49,8 @@ def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[Ru
     cfg.parallel = ParallelConfig()
     cfg.trainer.devices, cfg.trainer.num_nodes = 1, 1
     cfg.model.max_position_embeddings = max_pos
+    # The local layers, on any machine: a checkpoint is the same whichever implementation wrote it.
+    cfg.model.transformer_impl, cfg.precision.fp8 = "local", None
     if seq_length is not None:
         cfg.model.seq_length = seq_length
     return cfg, derive(cfg)

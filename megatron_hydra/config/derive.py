@@ -15,7 +15,7 @@ from typing import List, Tuple
 import torch
 
 from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
 from megatron_hydra.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +34,14 @@ CHOICES = {
     "recompute.method": ("uniform", "block"),
     "checkpoint.resume": ("auto", "none"),
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
+    "model.transformer_impl": ("local", "transformer_engine"),
+    "optim.impl": ("auto", "fused", "foreach", "apex"),
+}
+# precision.fp8's choices, checked when it is set (precision=fp8).
+FP8_CHOICES = {
+    "precision.fp8.recipe": ("delayed", "current"),
+    "precision.fp8.format": ("hybrid", "e4m3"),
+    "precision.fp8.amax_compute_algo": ("max", "most_recent"),
 }
 
 
@@ -327,6 +335,53 @@ def _check_arch(cfg: RunConfig, pp: int) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be a positive integer or null (derived)")
 
 
+def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> None:
+    """model.transformer_impl, precision.fp8 and optim.impl (docs/gpu.md): what each runs with.
+    Whether this machine has the packages and a GPU is the launcher's preflight check."""
+    m, dtype, fp8 = cfg.model, cfg.precision.params_dtype, cfg.precision.fp8
+    if m.transformer_impl == "transformer_engine":
+        if m.arch != "gpt":
+            raise ConfigError(f"model.transformer_impl=transformer_engine runs the GPT family (GPT, Llama); "
+                              f"model.arch={m.arch} runs on model.transformer_impl=local")
+        if dtype == "float64":
+            raise ConfigError("model.transformer_impl=transformer_engine has no float64 kernels: use precision=fp32 "
+                              "or bf16, or model.transformer_impl=local")
+    if cfg.optim.impl == "apex" and dtype == "float64":
+        raise ConfigError("optim.impl=apex (FusedAdam) has no float64 kernel: use optim.impl=auto")
+    if fp8 is None:
+        return
+    for key, allowed in FP8_CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not supported: use one of {', '.join(allowed)}")
+    if m.transformer_impl != "transformer_engine":
+        raise ConfigError("precision.fp8 runs FP8 matmuls through Transformer Engine: set "
+                          "model.transformer_impl=transformer_engine, or use precision=bf16")
+    if fp8.amax_history_len < 1 or fp8.margin < 0:
+        raise ConfigError(f"precision.fp8.amax_history_len={fp8.amax_history_len} must be >= 1 and "
+                          f"precision.fp8.margin={fp8.margin} >= 0")
+    if cfg.recompute.granularity == "full":
+        raise ConfigError("precision.fp8 with recompute.granularity=full is not supported (the replayed forward "
+                          "would record its FP8 amaxes again): use recompute.granularity=selective or null")
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    dims = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size / tp": ffn // tp,
+            "heads x kv_channels / tp": heads * kv_channels // tp,
+            "(heads + 2 x query groups) x kv_channels / tp": (heads + 2 * groups) * kv_channels // tp,
+            "data.micro_batch_size x model.seq_length": cfg.data.micro_batch_size * m.seq_length}
+    for what, size in dims.items():
+        if size % 16:
+            raise ConfigError(f"precision.fp8: Transformer Engine's FP8 matmuls need dimensions divisible by 16, "
+                              f"but {what} = {size}: change the model shape or use precision=bf16")
+
+
+def _fp8_recipe(cfg: RunConfig):
+    fp8 = cfg.precision.fp8
+    if fp8 is None:
+        return None
+    return FP8Recipe(recipe=fp8.recipe, format=fp8.format, amax_history_len=fp8.amax_history_len,
+                     amax_compute_algo=fp8.amax_compute_algo, margin=fp8.margin)
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron pads the vocabulary so that each tensor-parallel shard is a multiple of
     ``divisible_by`` (fast matmul shapes, equal shards)."""
@@ -366,6 +421,7 @@ def derive(cfg: RunConfig) -> Derived:
             raise
     _check_recompute(cfg, layers)
     _check_arch(cfg, pp)
+    _check_gpu_switches(cfg, tp, kv_channels, ffn)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
@@ -410,6 +466,8 @@ def derive(cfg: RunConfig) -> Derived:
         decoder_seq_length=(m.decoder_seq_length or m.seq_length) if m.arch == "t5" else 0,
         relative_attention_num_buckets=m.relative_attention_num_buckets,
         relative_attention_max_distance=m.relative_attention_max_distance,
+        transformer_impl=m.transformer_impl,
+        fp8=_fp8_recipe(cfg),
     )
     trainer = cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)

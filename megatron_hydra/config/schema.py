@@ -51,6 +51,9 @@ class ModelConfig:
     decoder_seq_length: Optional[int] = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    # The layers Transformer blocks run on (Megatron-Core's switch; docs/gpu.md): local (plain
+    # torch, any device) | transformer_engine (NVIDIA Transformer Engine: GPU, GPT family).
+    transformer_impl: str = "local"
 
 
 @dataclass
@@ -71,6 +74,21 @@ class ParallelConfig:
 
 
 @dataclass
+class FP8Config:
+    """Transformer Engine's FP8 recipe (docs/gpu.md). recipe: delayed (scales from the amax
+    history of past steps, TE's DelayedScaling) | current (from each tensor's own amax,
+    Float8CurrentScaling). format: hybrid (E4M3 forward, E5M2 gradients) | e4m3 (both). The rest
+    apply to delayed scaling: the history's length, how the amax is taken from it (max |
+    most_recent), and margin (scale = FP8_MAX / amax / 2^margin)."""
+
+    recipe: str = "delayed"
+    format: str = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"
     # Dtype of model weights and activations: float32, bfloat16 or float16 (the latter two keep fp32
@@ -81,6 +99,9 @@ class PrecisionConfig:
     # TF32 tensor cores for float32 matmuls and convolutions on GPU (Ampere and later): 10-bit
     # mantissa inputs, fp32 accumulation. Applied by each GPU worker; no effect on CPU.
     tf32: bool = True
+    # FP8 matmuls through Transformer Engine's recipes (precision=fp8; needs
+    # model.transformer_impl=transformer_engine); null: none.
+    fp8: Optional[FP8Config] = None
     # Dynamic loss scaling, used with float16 only: start at initial_loss_scale; halve it (never
     # below min_loss_scale) after ``hysteresis`` overflowing steps; double it after
     # loss_scale_window steps without overflow, which also resets the hysteresis count.
@@ -158,6 +179,10 @@ class OptimConfig:
     lr_schedule: str = "cosine"  # cosine | linear | constant
     # ZeRO-1 as Megatron's: fp32 main weights and Adam state sharded over data-parallel ranks.
     distributed_optimizer: bool = False
+    # The AdamW kernel (docs/gpu.md): auto (torch's fused AdamW on CUDA; on CPU the faster of
+    # fused and foreach, as measured) | fused | foreach (torch.optim.AdamW's) | apex (NVIDIA
+    # apex's FusedAdam in AdamW mode).
+    impl: str = "auto"
 
 
 @dataclass

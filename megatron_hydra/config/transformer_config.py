@@ -9,6 +9,17 @@ import torch
 
 
 @dataclass(frozen=True)
+class FP8Recipe:
+    """``precision.fp8`` as the model sees it (``config.schema.FP8Config``, frozen)."""
+
+    recipe: str = "delayed"  # delayed | current
+    format: str = "hybrid"  # hybrid | e4m3
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     num_layers: int  # T5: encoder layers
     hidden_size: int
@@ -48,6 +59,9 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    # local | transformer_engine (models.backends); FP8 matmuls (Transformer Engine only) or None.
+    transformer_impl: str = "local"
+    fp8: Optional[FP8Recipe] = None
 
     @property
     def output_init_std(self) -> float:

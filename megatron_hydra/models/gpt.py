@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
-from megatron_hydra.models.transformer import TransformerStack, build_norm
+from megatron_hydra.models.backends import backend_for
+from megatron_hydra.models.transformer import TransformerStack
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import PositionEmbedding, VocabParallelEmbedding, sharded_param, vocab_parallel_logits
 from megatron_hydra.parallel.random import dropout
@@ -40,9 +41,10 @@ class GPTModel(nn.Module):
         if pre_process and cfg.position_embedding == "learned":
             self.position_embedding = PositionEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ps.tp_group,
                                                         sequence_parallel=cfg.sequence_parallel, **common)
-        self.layers = TransformerStack(cfg, ps, range(cfg.num_layers) if layers is None else layers, device)
+        backend = backend_for(cfg)  # model.transformer_impl
+        self.layers = TransformerStack(cfg, ps, range(cfg.num_layers) if layers is None else layers, device, backend)
         if post_process:
-            self.final_norm = build_norm(cfg, device)
+            self.final_norm = backend.norm(cfg, device)
             if not cfg.tie_embeddings:
                 self.output_weight = sharded_param((cfg.padded_vocab_size, cfg.hidden_size), 0, ps.tp_group, **common)
 

@@ -17,16 +17,17 @@ import torch
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.models.backends import logical_parameters
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
 # [padded_vocab, ...], vocab-parallel; BERT's masked-LM bias is one too (zero like every bias).
 VOCAB_TABLES = ("embedding.weight", "output_weight", "lm_head.bias")
 
 
-def _full_shape(p: torch.Tensor, tp_size: int):
-    shape = list(p.shape)
-    if getattr(p, "tp_partition_dim", None) is not None:
-        shape[p.tp_partition_dim] *= tp_size
+def _full_shape(local: torch.Tensor, dim, tp_size: int):
+    shape = list(local.shape)
+    if dim is not None:
+        shape[dim] *= tp_size
     return shape
 
 
@@ -46,9 +47,9 @@ def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int) -> torch
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int) -> None:
-    for name, p in model.named_parameters():
-        full = logical_tensor(name, _full_shape(p, tp_size), cfg, seed)
-        dim = getattr(p, "tp_partition_dim", None)
+    for lp in logical_parameters(model):  # by logical name, whichever implementation holds them
+        dim = getattr(lp.param, "tp_partition_dim", None)
+        full = logical_tensor(lp.name, _full_shape(lp.tensor, dim, tp_size), cfg, seed)
         if dim is not None and tp_size > 1:
             full = full.chunk(tp_size, dim=dim)[tp_rank]
-        p.copy_(full.to(dtype=p.dtype, device=p.device))
+        lp.tensor.copy_(full.to(dtype=lp.tensor.dtype, device=lp.tensor.device))

@@ -13,8 +13,9 @@ gives each rank its own slice of it (the sharded stream again).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -171,15 +172,18 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True,
-                 post_norm: bool = False, cross: bool = False):
+                 post_norm: bool = False, cross: bool = False, backend: Optional["Backend"] = None):
         super().__init__()
-        self.norm1 = build_norm(cfg, device)
-        self.attention = Attention(cfg, ps, device, causal=causal)
+        backend = backend or LOCAL
+        check_backend(cfg, backend)
+        self.norm1 = backend.input_norm(cfg, device)
+        self.attention = backend.attention(cfg, ps, device, causal=causal)
         if cross:
             self.norm_cross = build_norm(cfg, device)
             self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
-        self.norm2 = build_norm(cfg, device)
-        self.mlp = MLP(cfg, ps, device)
+        self.norm2 = backend.input_norm(cfg, device)
+        self.mlp = backend.mlp(cfg, ps, device)
+        mark_logical(self, backend.parameter_map(cfg))
         self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
@@ -205,10 +209,54 @@ class TransformerStack(nn.ModuleDict):
     ``forward`` runs them in order, with full recomputation as ``cfg`` configures it (training
     only); keyword arguments reach every layer."""
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, indices, device=None, **block_kwargs):
-        super().__init__({str(i): Block(cfg, ps, device, **block_kwargs) for i in indices})
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, indices, device=None,
+                 backend: Optional["Backend"] = None, **block_kwargs):
+        backend = backend or LOCAL
+        super().__init__({str(i): Block(cfg, ps, device, backend=backend, **block_kwargs) for i in indices})
         self.cfg = cfg
+        self.runner = backend.stack_runner(cfg, ps)  # the backend's layout and FP8 autocast
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         layers = [partial(block, **kwargs) for block in self.values()] if kwargs else list(self.values())
-        return run_stack(self.cfg, layers, x, self.training)
+        return self.runner(lambda h: run_stack(self.cfg, layers, h, self.training), x,
+                           generating=kwargs.get("kv_cache") is not None)
+
+
+# The local implementation as one row of the backend table (``models.backends``) ----------------
+def run_in_order(run, x: torch.Tensor, generating: bool = False) -> torch.Tensor:
+    """How the local stack runs its layers: on x as it comes, [b, s, h]."""
+    return run(x)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The classes a block is built from: Megatron-Core's layer spec, kept to one row of a table
+    (``models.backends.BACKENDS``, keyed by ``model.transformer_impl``)."""
+
+    name: str
+    norm: Callable[..., nn.Module]  # (cfg, device): a norm that stands alone (the final norm)
+    input_norm: Callable[..., nn.Module]  # (cfg, device): before attention and MLP (Identity where they fuse it)
+    attention: Callable[..., nn.Module]  # (cfg, ps, device, causal=...)
+    mlp: Callable[..., nn.Module]  # (cfg, ps, device)
+    # cfg -> {block-relative parameter name: the local parameters it holds, stacked along dim 0}
+    parameter_map: Callable[[TransformerConfig], Dict[str, Tuple[str, ...]]]
+    # (cfg, ps) -> runner(run, x, generating): how a stack's layers run (layout, FP8 autocast)
+    stack_runner: Callable
+
+
+LOCAL = Backend("local", build_norm, build_norm, Attention, MLP, lambda cfg: {}, lambda cfg, ps: run_in_order)
+
+
+def check_backend(cfg: TransformerConfig, backend: Backend) -> None:
+    if backend.name != cfg.transformer_impl:
+        raise ValueError(f"model.transformer_impl={cfg.transformer_impl} but the block is built with the "
+                         f"{backend.name} layers: pass models.backends.backend_for(cfg)")
+
+
+def mark_logical(block: nn.Module, parameter_map: Dict[str, Tuple[str, ...]]) -> None:
+    """Tag each parameter of ``block`` that ``parameter_map`` names with its block-relative name
+    and the local parameters it holds (``p.logical``; read by ``models.backends.logical_parameters``)."""
+    params = dict(block.named_parameters())
+    for name, parts in parameter_map.items():
+        if name in params:
+            params[name].logical = (name, parts)

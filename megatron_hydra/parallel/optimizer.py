@@ -35,6 +35,28 @@ from megatron_hydra.parallel.grad_clip import clip_grads, counted
 from megatron_hydra.parallel.state import ParallelState
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+# ``optim.impl``: the kernel that steps the main parameters. ``fused`` and ``foreach`` are
+# torch.optim.AdamW's two multi-tensor implementations, ``apex`` is NVIDIA apex's FusedAdam in
+# AdamW mode. ``auto`` is ``fused`` on CUDA and ``CPU_IMPL`` on CPU, the faster of the two there
+# for our step (measured by benchmarks/adamw_impl.py, whose docstring has the numbers).
+ADAMW_IMPLS = ("auto", "fused", "foreach", "apex")
+CPU_IMPL = "fused"
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The concrete implementation ``impl`` stands for on ``device``."""
+    if impl != "auto":
+        return impl
+    return "fused" if device.type == "cuda" else CPU_IMPL
+
+
+def build_adamw(groups: List[dict], impl: str, *, lr: float, betas, eps: float) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay, per group) over ``groups`` with the concrete ``impl``."""
+    if impl == "apex":
+        from apex.optimizers import FusedAdam  # present in NVIDIA's NGC images; the launcher checks first
+
+        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=impl == "fused", foreach=impl == "foreach")
 
 
 @dataclass
@@ -57,7 +79,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     (in the buffer), not here."""
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, ps: ParallelState, *, lr: float, betas, eps: float,
-                 weight_decay: float, clip_grad: float, scaler=None):
+                 weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
         self.distributed = grad_buffer.distributed
         self.separate = grad_buffer.separate  # 16-bit model: fp32 main copies
@@ -67,8 +89,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
         decay = [pc.main for pc in self.pieces if pc.param.ndim >= 2]
         no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
-        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+        self.impl = resolve_impl(impl, self.pieces[0].main.device)
+        self.inner = build_adamw([{"params": decay, "weight_decay": weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], self.impl, lr=lr, betas=betas, eps=eps)
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
@@ -223,9 +246,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
     def _piece_state(self, pc: Piece, step_dtype: torch.dtype) -> dict:
+        """This piece's Adam state, created (zero) as the inner optimizer would when missing, so
+        that loading can fill it in place. torch keeps ``step`` per parameter; apex's FusedAdam
+        keeps one count per param group (``group["step"]``, see ``_step``)."""
         state = self.inner.state[pc.main]
-        if not state:  # as AdamW.step would create it, so that loading can fill it in place
-            state["step"] = torch.tensor(0.0, dtype=step_dtype)
+        if not state:
+            if self.impl != "apex":  # the fused kernel reads it on the parameter's device
+                device = pc.main.device if self.impl == "fused" else "cpu"
+                state["step"] = torch.zeros((), dtype=step_dtype, device=device)
             for key in ADAM_KEYS:
                 state[key] = torch.zeros_like(pc.main, memory_format=torch.preserve_format)
         return state
@@ -235,6 +263,26 @@ class MegatronOptimizer(torch.optim.Optimizer):
         or the first after a resume) starts with it allocated, which the dry run measures."""
         for pc in self.pieces:
             self._piece_state(pc, step_dtype)
+
+    def _group(self, pc: Piece) -> dict:
+        return next(g for g in self.inner.param_groups if any(p is pc.main for p in g["params"]))
+
+    def _step(self, pc: Piece, state: dict, step_dtype: torch.dtype) -> torch.Tensor:
+        """The piece's step count as a tensor: torch's own (live), or apex's group count (a copy)."""
+        if self.impl == "apex":
+            return torch.tensor(float(self._group(pc).get("step", 0)), dtype=step_dtype)
+        return state["step"]
+
+    def _set_step(self, pc: Piece, state: dict, value: torch.Tensor) -> None:
+        """Store a loaded step count where, and as, the inner optimizer keeps it: apex an int per
+        group; torch's fused kernel a float32 tensor on the parameter's device; the others a CPU
+        tensor."""
+        if self.impl == "apex":
+            self._group(pc)["step"] = int(value.item())
+        elif self.impl == "fused":
+            state["step"] = value.to(device=pc.main.device, dtype=torch.float32, copy=True)
+        elif value is not state["step"]:
+            state["step"] = value.detach().to("cpu", copy=True)
 
     def checkpoint_state(self, step_dtype: torch.dtype = torch.float32) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
         """Per model parameter, its optimizer state as whole TP-local tensors shaped like the
@@ -247,7 +295,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             views = {}
             for pc in self.pieces:
                 state = self._piece_state(pc, step_dtype)
-                views[pc.param] = {"step": state["step"], **{k: state[k] for k in ADAM_KEYS}}
+                views[pc.param] = {"step": self._step(pc, state, step_dtype), **{k: state[k] for k in ADAM_KEYS}}
                 if self.separate:
                     views[pc.param]["main"] = pc.main.data
             return views
@@ -258,7 +306,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         step = torch.tensor(0.0, dtype=step_dtype, device=device)
         for pc in self.pieces:
             state = self._piece_state(pc, step_dtype)
-            step = state["step"].to(device, copy=True)
+            step = self._step(pc, state, step_dtype).to(device, copy=True)
             for k in keys:
                 full[k][pc.offset + pc.lo:pc.offset + pc.hi] = pc.main.data if k == "main" else state[k]
         for k in keys:  # each element is owned by exactly one data-parallel rank
@@ -272,13 +320,15 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_checkpoint_state(self, views: Dict[nn.Parameter, Dict[str, torch.Tensor]]) -> None:
-        """Take state filled into ``checkpoint_state``'s tensors (a no-op unless distributed)."""
-        if not self.distributed:
-            return
+        """Take state filled into ``checkpoint_state``'s tensors: the step counts (stored where
+        the implementation keeps them) and, distributed, this rank's pieces of the rest (not
+        distributed, those were filled in place)."""
         for pc in self.pieces:
             state = self._piece_state(pc, views[pc.param]["step"].dtype)
             loaded = views[pc.param]
-            state["step"].copy_(loaded["step"])
+            self._set_step(pc, state, loaded["step"])
+            if not self.distributed:
+                continue
             for k in ADAM_KEYS:
                 state[k].copy_(loaded[k].reshape(-1)[pc.lo:pc.hi])
             if self.separate:

@@ -92,6 +92,7 @@ class ParallelState:
             "dp_cp": group_ranks(sizes, ("dp", "cp")),  # gradient reduce
             "model": group_ranks(sizes, ("pp", "tp")),  # one model replica: norms, overflow checks
             "embedding": embedding_group_ranks(sizes),  # tied embedding grads
+            "amax": group_ranks(sizes, ("dp", "cp", "tp")),  # FP8 amax reduction: the ranks holding the same layers
         }
         for name, all_groups in combined.items():
             for members in all_groups:  # every rank creates every group, in the same order

@@ -181,7 +181,8 @@ def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
     layers, in the model's parameter order."""
     shape_only = dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
-                                     recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1)
+                                     recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
+                                     transformer_impl="local", fp8=None)  # the same logical tensors
     return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only, num_layers, pre, post)]
 
 

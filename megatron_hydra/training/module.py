@@ -274,8 +274,9 @@ class LMModule(pl.LightningModule):
 
     def build_optimizer(self, grad_buffer) -> MegatronOptimizer:
         """AdamW over the model through its gradient buffer (the strategy builds it before this
-        hook): fp32 main weights for 16-bit models, sharded over DP with the distributed optimizer."""
+        hook): fp32 main weights for 16-bit models, sharded over DP with the distributed optimizer;
+        ``optim.impl`` picks the kernel (torch fused or foreach, apex FusedAdam)."""
         o = self.cfg.optim
         return MegatronOptimizer(self.model, grad_buffer, self.ps, lr=o.lr,
                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
-                                 clip_grad=o.clip_grad, scaler=self.loss_scaler)
+                                 clip_grad=o.clip_grad, scaler=self.loss_scaler, impl=o.impl)

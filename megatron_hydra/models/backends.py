@@ -1,0 +1,63 @@
+"""The layers a Transformer block is built from, per ``model.transformer_impl``.
+
+Megatron-Core's idea of a layer spec, kept to a table of classes: ``local`` is plain torch on our
+tensor-parallel layers (``models.transformer``), ``transformer_engine`` is NVIDIA Transformer
+Engine's fused layers (``models.te_layers``). A model passes ``backend_for(cfg)`` to its
+``TransformerStack``; ``Block`` and ``TransformerStack`` are otherwise the same code for both.
+
+Both implementations hold the same logical tensors under the same names: a backend's
+``parameter_map`` says which local parameters each of its parameters holds (stacked along dim 0),
+and ``logical_parameters`` lists a model's parameters under those logical names. Initialisation
+and checkpoints go through it, so one checkpoint loads under either implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.models import te_layers
+from megatron_hydra.models.transformer import LOCAL, Backend
+
+BACKENDS: Dict[str, Backend] = {
+    "local": LOCAL,
+    "transformer_engine": Backend("transformer_engine", te_layers.build_norm, te_layers.fused_norm,
+                                  te_layers.TEAttention, te_layers.TEMLP, te_layers.parameter_map,
+                                  te_layers.SequenceFirst),
+}
+
+
+def backend_for(cfg: TransformerConfig) -> Backend:
+    return BACKENDS[cfg.transformer_impl]
+
+
+class LogicalParameter(NamedTuple):
+    name: str  # the logical name (the local implementation's)
+    tensor: torch.Tensor  # this rank's shard of the logical tensor: ``param`` itself, or rows of it
+    param: nn.Parameter  # the parameter holding it (optimizer state, TP tags)
+    rows: Optional[slice]  # where in ``param`` (dim 0); None: all of it
+
+
+def logical_parameters(model: nn.Module) -> List[LogicalParameter]:
+    """``model``'s parameters under their logical names, one entry per logical tensor. A
+    parameter that holds several (a TE fc1 with SwiGLU's gate and up) gives one row range each:
+    views, so that writing them writes the parameter."""
+    out = []
+    for name, p in model.named_parameters():
+        tag = getattr(p, "logical", None)
+        if tag is None:
+            out.append(LogicalParameter(name, p, p, None))
+            continue
+        own, parts = tag
+        prefix = name[: len(name) - len(own)]
+        if len(parts) == 1:
+            out.append(LogicalParameter(prefix + parts[0], p, p, None))
+            continue
+        rows = p.shape[0] // len(parts)
+        for i, part in enumerate(parts):
+            span = slice(i * rows, (i + 1) * rows)
+            out.append(LogicalParameter(prefix + part, p.detach()[span], p, span))
+    return out

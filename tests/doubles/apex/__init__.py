@@ -1,0 +1,1 @@
+"""TEST DOUBLE of NVIDIA apex (see tests/doubles/README.md)."""

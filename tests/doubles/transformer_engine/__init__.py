@@ -1,0 +1,1 @@
+"""TEST DOUBLE of NVIDIA Transformer Engine (see tests/doubles/README.md)."""
