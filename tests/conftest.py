@@ -22,6 +22,21 @@ from megatron_hydra.config.io import free_port
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
+# The files whose tests start whole multi-process runs (most of the suite's time), longest first.
+# Collected first, they are the first files the two xdist workers (--dist loadfile) take, and the
+# many short files then fill in behind them, so both workers end at about the same time.
+LONG_FILES = ("test_kill.py", "test_cluster_launch.py", "test_launcher.py", "test_checkpoint_errors.py",
+              "test_launcher_trust.py", "test_dry_run.py", "test_checkpoint_resume.py", "test_pipeline_parallel.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
+
+
 # A model small enough that a multi-rank run of 10 steps takes seconds on 2 cores.
 SMALL = [
     "data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
