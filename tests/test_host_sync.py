@@ -128,44 +128,18 @@ def test_checkpoint_steps_are_sync_steps_too(tmp_path):
 
 
 # One process without Lightning: the step the dry run drives -----------------------------------------
-class _Strategy:
-    """What ``optimizer_step_over`` needs of ``MegatronStrategy``: the buffer's zeroing and
-    no-sync context, and the reduction finished before the optimizer steps."""
-
-    def __init__(self, buffer, optimizer):
-        self.grad_buffer, self.optimizer = buffer, optimizer
-        self.param_groups = optimizer.param_groups
-
-    def zero_grad(self):
-        self.grad_buffer.zero()
-
-    @contextmanager
-    def block_backward_sync(self):
-        self.grad_buffer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.grad_buffer.sync_enabled = True
-
-    def step(self):
-        self.grad_buffer.finish()
-        self.optimizer.step()
-
-    @property
-    def last_grad_norm(self):
-        return self.optimizer.last_grad_norm
-
-
 def _module_and_strategy(precision: str):
+    """A single-process module with the real strategy and optimizer, stepped without a Trainer."""
     from megatron_hydra.config import derive
-    from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
+    from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
 
     cfg = compose_config([*SMALL, f"precision={precision}", "optim.clip_grad=1.0"])
     module = LMModule(cfg, derive(cfg), ParallelState.single())
-    buffer = GradBuffer(module.model.parameters(), module.ps.dp_cp_group, cfg.parallel.grad_bucket_size)
-    return module, _Strategy(buffer, module.build_optimizer(buffer))
+    strategy = MegatronStrategy(module.ps, torch.device("cpu"), grad_bucket_size=cfg.parallel.grad_bucket_size)
+    strategy._setup_model(module)
+    return module, strategy, StepThrough(module.build_optimizer(strategy.grad_buffer), strategy)
 
 
 def _batch(step: int):
@@ -177,12 +151,12 @@ def _batch(step: int):
 def test_optimizer_step_clip_and_guard_read_nothing(precision, per_step):
     """bf16/fp32: no read in forward, backward, clipping, AdamW or the guard. fp16: one, the
     overflow flag its loss scaler decides on (parallel.optimizer), however many tensors it checks."""
-    module, strategy = _module_and_strategy(precision)
+    module, strategy, optimizer = _module_and_strategy(precision)
     steps = 3
     with counting_host_reads() as reads:
         for step in range(steps):
             reads.step = step
-            loss, lr, skipped = module.optimizer_step_over(_batch(step), strategy, strategy, step)
+            loss, lr, skipped = module.optimizer_step_over(_batch(step), strategy, optimizer, step)
             module.guard.record(step, loss, strategy.last_grad_norm, skipped)
         reads.step = "verify"
         module.guard.verify()

@@ -127,18 +127,6 @@ def _memory_tracker():
     return DeviceTotals()
 
 
-class _Stepper:
-    """What ``optimizer_step_over`` needs of Lightning's wrapped optimizer: param groups and a
-    ``step`` that goes through the strategy (gradient reduce, then the optimizer)."""
-
-    def __init__(self, optimizer, strategy):
-        self.optimizer, self.strategy = optimizer, strategy
-        self.param_groups = optimizer.param_groups
-
-    def step(self) -> None:
-        self.strategy.step_optimizer(self.optimizer)
-
-
 def _fake_batch(cfg: RunConfig, derived: Derived) -> Dict[str, torch.Tensor]:
     tcfg = derived.transformer
     samples = cfg.data.micro_batch_size * derived.num_microbatches
@@ -174,7 +162,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
 
     from megatron_hydra.planning.memory import rank_memory
     from megatron_hydra.training.module import LMModule
-    from megatron_hydra.training.strategy import MegatronStrategy
+    from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
 
     start = time.perf_counter()
     device = fake_gpu.register()
@@ -200,7 +188,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 tracker.track_external(module, optimizer)
                 batch = strategy.batch_to_device(_fake_batch(cfg, derived), device)
                 syncs_before = len(check.host_syncs)
-                loss, _, _ = module.optimizer_step_over(batch, strategy, _Stepper(optimizer, strategy), step=0)
+                loss, _, _ = module.optimizer_step_over(batch, strategy, StepThrough(optimizer, strategy), step=0)
                 step_syncs = check.host_syncs[syncs_before:]
                 state = _device_bytes(tracker.get_tracker_snapshot("current"), device.type)
                 peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)

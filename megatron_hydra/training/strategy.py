@@ -160,3 +160,16 @@ class MegatronStrategy(ParallelStrategy):
             self.grad_buffer.close()
         self.grad_buffer = None
         super().teardown()
+
+
+class StepThrough:
+    """What ``LMModule.optimizer_step_over`` needs of Lightning's wrapped optimizer, without a
+    Trainer (the dry run, tests): the param groups, and a ``step`` that goes through the strategy
+    (gradient reduce, then the optimizer)."""
+
+    def __init__(self, optimizer, strategy: MegatronStrategy):
+        self.optimizer, self.strategy = optimizer, strategy
+        self.param_groups = optimizer.param_groups
+
+    def step(self) -> None:
+        self.strategy.step_optimizer(self.optimizer)
