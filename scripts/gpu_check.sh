@@ -10,11 +10,11 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)
 python -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
-timeout 360 python -m pytest -m gpu tests/ -p no:cacheprovider -q -rA --timeout 300 -o junit_family=xunit1 \
+timeout 270 python -m pytest -m gpu tests/ -p no:cacheprovider -q -rA --timeout 120 -o junit_family=xunit1 \
     --junitxml="$out/gpu.xml" > "$out/pytest.txt" 2>&1
 status=$?
 tail -n 30 "$out/pytest.txt"
-timeout 300 python benchmarks/gpu_throughput.py --steps 30 > "$out/throughput.txt" 2>&1
+timeout 180 python benchmarks/gpu_throughput.py --steps 30 > "$out/throughput.txt" 2>&1
 echo
 echo "== summary =="
 python - "$out/gpu.xml" <<'PY'
