@@ -27,21 +27,14 @@ from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.launcher import run
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
+from megatron_hydra.parallel.optimizer import build_adamw, resolve_impl
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
+from megatron_hydra.planning.peak import measure_cpu_peak_tflops
 from megatron_hydra.training.lr_schedule import lr_at
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 WARMUP = 3  # steps excluded from timing on both sides (allocator and thread-pool warm-up)
-
-
-def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
 def bare_loop_step_times(cfg, derived, steps: int):
@@ -52,7 +45,9 @@ def bare_loop_step_times(cfg, derived, steps: int):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    # The kernel the launch path picks for this CPU (optim.impl=auto), so both sides step alike.
+    opt = build_adamw(groups, resolve_impl(o.impl, torch.device("cpu")), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                      eps=o.adam_eps)
     gbs, nmb = cfg.data.global_batch_size, derived.num_microbatches
     ds, _, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
                               num_samples=derived.split_samples, vocab_size=tcfg.vocab_size)
@@ -86,7 +81,7 @@ def main(argv):
         cfg = resolve(OmegaConf.to_object(compose(config_name="config", overrides=overrides)), visible_gpus=0)
     derived = derive(cfg)
     torch.set_num_threads(torch.get_num_threads())
-    peak = matmul_peak_flops()
+    peak = measure_cpu_peak_tflops(derived.transformer.hidden_size) * 1e12  # what the run's mfu is taken against
 
     # Bare loop before and after the launch path, so drift in machine load hits both sides alike.
     bare_before = bare_loop_step_times(cfg, derived, steps)

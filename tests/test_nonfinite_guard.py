@@ -71,7 +71,12 @@ def test_nonfinite_weights_are_never_written(tmp_path):
 
 
 def test_guard_unit():
-    from megatron_hydra.training.guard import NonFiniteError, check_finite
+    from megatron_hydra.training.guard import FiniteGuard, NonFiniteError
+
+    def check_finite(step, loss, norm, skipped):
+        guard = FiniteGuard()
+        guard.record(step, loss, norm, skipped)
+        guard.verify()
 
     nan = torch.tensor(float("nan"))
     check_finite(3, torch.tensor(2.0), torch.tensor(1.0), skipped=False)

@@ -40,6 +40,7 @@ CPU_MATMUL_RUN_S = 0.001  # one timed run: the matmul repeated for about this lo
 CPU_MATMUL_RUNS = 200  # timed runs, the best kept (fewer where the budget runs out)
 CPU_MATMUL_SECONDS = 0.1  # the measurement's budget: every CPU run pays it once, at start-up
 
+
 @lru_cache(maxsize=None)
 def gpu_peaks() -> Dict[str, float]:
     """Dense bf16 TFLOP/s by GPU, from ``conf/cluster/*.yaml``."""
@@ -87,6 +88,7 @@ def measure_cpu_peak_tflops(size: int, dtype: torch.dtype = torch.float32, runs:
         if end > deadline:
             break
     return 2.0 * n**3 * reps / best / 1e12
+
 
 def device_peak_tflops(device: torch.device, hidden_size: int, dtype: torch.dtype) -> Tuple[Optional[float], str]:
     """(the peak TFLOP/s MFU is taken against, or None; where it comes from, one line)."""

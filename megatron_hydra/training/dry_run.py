@@ -188,7 +188,8 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 tracker.track_external(module, optimizer)
                 batch = strategy.batch_to_device(_fake_batch(cfg, derived), device)
                 syncs_before = len(check.host_syncs)
-                loss, _, _ = module.optimizer_step_over(batch, strategy, StepThrough(optimizer, strategy), step=0)
+                loss, _, skipped = module.optimizer_step_over(batch, strategy, StepThrough(optimizer, strategy), step=0)
+                module.guard.record(0, loss, strategy.last_grad_norm, skipped)  # as training_step does
                 step_syncs = check.host_syncs[syncs_before:]
                 state = _device_bytes(tracker.get_tracker_snapshot("current"), device.type)
                 peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)

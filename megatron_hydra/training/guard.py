@@ -58,7 +58,7 @@ class FiniteGuard:
         checked = grad_norm is not None and not skipped
         norm = grad_norm.detach().to(loss.device, torch.float64).reshape(()) if checked else torch.zeros_like(loss)
         # x - x is 0 exactly for finite x and NaN for NaN and inf (torch.isfinite, composite, does
-        # not run on the dry run's fake CUDA tensors in a CPU build).
+        # not run on the dry run's fake GPU tensors).
         first = ((loss - loss != 0) | (norm - norm != 0)) & (self.first_step < 0)
         self.first_step = torch.where(first, torch.full_like(loss, step), self.first_step)
         self.values = torch.where(first, torch.stack([loss, norm, torch.full_like(loss, float(checked))]), self.values)
@@ -70,11 +70,3 @@ class FiniteGuard:
         step, loss, norm, checked = torch.cat([self.first_step.reshape(1), self.values]).tolist()
         if step >= 0:
             _raise(int(step), loss, norm if checked else None)
-
-
-def check_finite(step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor], skipped: bool) -> None:
-    """Raise ``NonFiniteError`` naming ``step`` if ``loss`` or (unless the loss scaler ``skipped``
-    the step) ``grad_norm`` is not finite: ``record`` and ``verify`` at once (reads the host)."""
-    guard = FiniteGuard()
-    guard.record(step, loss, grad_norm, skipped)
-    guard.verify()

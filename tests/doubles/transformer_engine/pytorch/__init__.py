@@ -157,6 +157,8 @@ class LayerNormLinear(_LinearBase):
 
 
 class LayerNorm(nn.Module):
+    KIND = "LayerNorm"
+
     def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None, zero_centered_gamma=False,
                  device="cuda"):
         super().__init__()
@@ -164,23 +166,19 @@ class LayerNorm(nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        if self.KIND == "LayerNorm":
+            self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.bias = None
 
     def forward(self, inp):
-        return _normalize(inp, "LayerNorm", self.weight, self.bias, self.eps)
+        return _normalize(inp, self.KIND, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None, zero_centered_gamma=False,
-                 device="cuda"):
-        super().__init__()
-        _unsupported(zero_centered_gamma=zero_centered_gamma)
-        dtype = params_dtype or torch.get_default_dtype()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+class RMSNorm(LayerNorm):
+    """TE's RMSNorm: the same arguments, a weight and no bias."""
 
-    def forward(self, inp):
-        return _normalize(inp, "RMSNorm", self.weight, None, self.eps)
+    KIND = "RMSNorm"
 
 
 class DotProductAttention(nn.Module):
