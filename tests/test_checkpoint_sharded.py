@@ -127,6 +127,28 @@ def test_save_writes_a_complete_checkpoint(saved):
     assert float(full[("layers.0.mlp.fc1.weight", "step")]) == 2.0
 
 
+def test_every_rank_writes_only_its_own_pieces(saved):
+    # Saved at tp2 x pp2 x dp2: each tensor is stored as chunks no larger than one rank's TP shard
+    # split over its dp replicas, vocabulary tables included (no rank gathered a whole table), and
+    # the chunks tile the logical tensor exactly.
+    import math
+
+    from megatron_hydra.checkpoint.safe_reader import read_metadata
+
+    path, full = saved
+    for key, md in read_metadata(path).state_dict_metadata.items():
+        if len(md.size) == 0:
+            continue
+        numel = math.prod(md.size)
+        assert sum(math.prod(c.sizes) for c in md.chunks) == numel, key
+        if numel >= 64:  # big enough to be split at least over dp (weights) or tp x dp (tables)
+            assert max(math.prod(c.sizes) for c in md.chunks) <= numel // 2, key
+    table = read_metadata(path).state_dict_metadata["model/embedding.weight"]
+    assert list(table.size) == [VOCAB, 64]
+    assert max(c.offsets[0] + c.sizes[0] for c in table.chunks) == VOCAB  # padding rows are not written
+    assert max(math.prod(c.sizes) for c in table.chunks) <= 256 * 64 // 2  # a TP shard's rows over dp2
+
+
 @pytest.mark.parametrize("layout,world", [
     ([], 1),  # single
     (["parallel=tp4"], 4),

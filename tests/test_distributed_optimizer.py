@@ -77,17 +77,93 @@ def test_optimizer_state_is_one_dp_th(dp, dtype):
             assert r["main"] == 0  # fp32 Adam updates the model's own (gathered) parameter buffer
 
 
-@pytest.mark.parametrize("first,second", [("true", "false"), ("false", "true")])
-def test_checkpoint_loads_across_optimizers(first, second, tmp_path):
-    # Saved at dp2 by one optimizer, resumed at dp4 by the other (ZeRO-1 -> plain, plain -> ZeRO-1,
-    # whose shards at dp4 differ from any dp2 ones): the optimizer state is stored whole and by
-    # logical name, so the resumed steps equal an uninterrupted plain run.
+@pytest.mark.parametrize("first,saved_at,second,loaded_at", [("true", 4, "false", 2), ("false", 2, "true", 4)])
+def test_checkpoint_loads_across_optimizers(first, saved_at, second, loaded_at, tmp_path):
+    # ZeRO-1 at dp4 -> plain at dp2, and plain at dp2 -> ZeRO-1 at dp4 (whose shards differ from
+    # any dp2 ones): each rank writes only its own pieces, described by their place in the logical
+    # tensors, so the resumed steps equal an uninterrupted plain run.
     common = [*SMALL, "precision=fp64", "trainer.max_steps=6"]
     whole = run_training([*common, "trainer.devices=2"], tmp_path / "whole")
     ckpt = tmp_path / "ckpt"
-    run_training([*common, "trainer.devices=2", "trainer.max_steps=3", f"optim.distributed_optimizer={first}",
+    run_training([*common, f"trainer.devices={saved_at}", "trainer.max_steps=3", f"optim.distributed_optimizer={first}",
                   f"checkpoint.dir={ckpt}"], tmp_path / "first")
-    resumed = run_training([*common, "trainer.devices=4", f"optim.distributed_optimizer={second}",
+    resumed = run_training([*common, f"trainer.devices={loaded_at}", f"optim.distributed_optimizer={second}",
                             f"checkpoint.dir={ckpt}"], tmp_path / "second")
     assert [int(r["step"]) for r in resumed] == [3, 4, 5]
-    assert_same_trajectory(resumed, whole[3:], rel=1e-9, keys=("loss",))
+    assert_same_trajectory(resumed, whole[3:], rel=1e-9, keys=("loss", "grad_norm"))
+
+
+# A model whose optimizer state dwarfs everything else a rank allocates: about 17M parameters,
+# so gathering the fp32 state whole would add ~128 MiB per rank at dp4 (and ~96 MiB at tp2 x dp2,
+# bf16), against a bound of ~60 MiB: the rank's shard of the checkpoint (its optimizer state and
+# its 1/dp of the weights) plus one bucket.
+BIG = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.vocab_size=8000",
+       "parallel.grad_bucket_size=1000000"]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _extra_bytes(fn) -> int:
+    """Peak resident memory ``fn`` adds to this process (``VmHWM`` reset before it)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # hand freed heap pages back, so that reusing them shows
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def _save_load_peak(rank, world, path):
+    import torch.distributed as dist
+
+    from conftest import compose_config
+    from megatron_hydra.checkpoint.sharded import load, save
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.data_parallel import GradBuffer
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.module import LMModule
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, layout in {"dp4_fp32": ["precision=fp32"], "tp2_dp2_bf16": ["precision=bf16", "parallel=tp2"]}.items():
+        cfg = compose_config([*SMALL, *BIG, f"trainer.devices={world}", "optim.distributed_optimizer=true", *layout])
+        derived = derive(cfg)
+        ps = ParallelState.build(tp=derived.tp, dp=derived.dp)
+        module = LMModule(cfg, derived, ps)
+        buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size, distributed=True)
+        opt = module.build_optimizer(buffer)
+        for p in module.model.parameters():
+            p.main_grad.fill_(1e-3)
+        buffer.finish()
+        opt.step()
+        opt.finish_param_gather()
+        target = f"{path}/{name}"
+        vocab = derived.transformer.vocab_size
+        saving = _extra_bytes(lambda: save(target, module.model, opt, ps, vocab, {"step": 1, "consumed_samples": 0}))
+        dist.barrier()
+        loading = _extra_bytes(lambda: load(target, module.model, opt, ps, vocab))
+        bucket = max(b.end - b.start for b in buffer.buckets) * 4
+        weights = sum(p.numel() * p.element_size() for p in module.model.parameters())
+        # The rank's shard of the checkpoint: its optimizer state and its 1/dp of the weights.
+        shard = opt.optimizer_bytes() + opt.main_weight_bytes() + weights // ps.dp_size
+        out[name] = dict(save=saving, load=loading, shard=shard, bucket=bucket,
+                         full=buffer.buffer.numel() * 4 * (3 if opt.separate else 2))
+    return out
+
+
+def test_save_and_load_hold_no_more_than_the_shard_and_a_bucket(tmp_path):
+    results = spawn_ranks(_save_load_peak, 4, str(tmp_path))
+    for rank, layouts in results.items():
+        for name, r in layouts.items():
+            bound = r["shard"] + r["bucket"]
+            assert bound < r["full"], "the model is too small for a gather to show"
+            for phase in ("save", "load"):
+                assert r[phase] <= bound, (f"rank {rank} {name}: {phase} raised peak memory by {r[phase] / 2**20:.1f} MiB,"
+                                           f" more than its shard of the checkpoint + one bucket ({bound / 2**20:.1f} MiB)")

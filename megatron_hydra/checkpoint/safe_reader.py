@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from megatron_hydra.checkpoint.chunks import LoadPlanner
 from megatron_hydra.errors import CheckpointError
 
 _DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
@@ -86,8 +87,8 @@ def read_metadata(path: str):
     return metadata
 
 
-class TensorOnlyPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner, except that it never unpickles a byte entry."""
+class TensorOnlyPlanner(LoadPlanner):
+    """Our load planner (``chunks.LoadPlanner``), except that it never unpickles a byte entry."""
 
     def load_bytes(self, read_item, value) -> None:
         raise CheckpointError(

@@ -2,22 +2,22 @@
 
 Every tensor is stored under its logical name (``model/layers.3.mlp.fc1.weight``,
 ``optim/layers.3.mlp.fc1.weight/exp_avg``, and for 16-bit models the fp32 main weights
-``main/layers.3.mlp.fc1.weight``) with its logical, unsharded shape. The optimizer hands its state
-over as whole TP-local tensors (``MegatronOptimizer.checkpoint_state``), gathered over
-data-parallel ranks when the distributed optimizer shards it, so a checkpoint does not depend on
-precision bookkeeping or ZeRO sharding either: any run loads it. At save and load
-time each TP-sharded local tensor is viewed as a DTensor over this rank's TP sub-mesh with
-``Shard(tp_partition_dim)``; ``torch.distributed.checkpoint`` then writes each shard once and, on
-load, reads exactly the slice the loading rank owns, whatever tp/pp/dp wrote it. Replicated
-tensors are plain tensors, which DCP writes once however many ranks hold them. Pipeline stages
-simply hold different names.
+``main/layers.3.mlp.fc1.weight``) with its logical, unsharded shape, as the rectangles
+(``checkpoint.chunks``) that this rank holds of it: its TP shard of a weight, split over its
+data-parallel replicas so that each writes 1/dp; the optimizer's pieces as
+``MegatronOptimizer.checkpoint_pieces`` hands them over (whole TP-local tensors, or the flat
+ranges the distributed optimizer owns). ``torch.distributed.checkpoint`` writes the rectangles
+with their offsets and, on load, reads into each rank's own tensors exactly the overlapping parts
+of the saved ones, whatever tp/pp/dp, distributed optimizer or precision wrote them. No rank
+gathers anything: saving and loading allocate at most a rank's own part. Pipeline stages simply
+hold different names.
 
 Two tensors need care:
 
 - Vocabulary tables (word embedding, untied output weight) are padded to a multiple of 128 x tp,
-  so their shape depends on tp. Only their ``vocab_size`` real rows are logical: they are saved
-  gathered over TP and unpadded, and loaded whole, each rank then keeping its rows (padding rows
-  are zero in weights and AdamW state alike: no token and no gradient ever reaches them).
+  so their shape depends on tp. Only their ``vocab_size`` real rows are logical: each rank writes
+  and reads the real rows of its own TP shard (padding rows are zero in weights and AdamW state
+  alike: no token and no gradient ever reaches them).
 - The last pipeline stage's copy of the tied embedding (``shared_embedding_copy``) has the same
   logical name as the first stage's: it is saved once (from the first stage) and loaded into both.
 """
@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
 
 from megatron_hydra.checkpoint import rng, store
+from megatron_hydra.checkpoint.chunks import Chunks, LoadPlanner, Placement, SavePlanner
 from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.optimizer import StatePiece
 from megatron_hydra.parallel.state import ParallelState
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -88,8 +89,40 @@ def logical_shapes(model: torch.nn.Module, tp_size: int, vocab_size: int) -> Dic
     return {e.name: logical_shape(e, tp_size, vocab_size) for e in entries(model)}
 
 
-def _tp_mesh(ps: ParallelState):
-    return ps.mesh["tp"] if ps.mesh is not None and ps.tp_size > 1 else None
+def placement(e: Entry, ps: ParallelState, vocab_size: int) -> Placement:
+    """Where this rank's TP-local tensor of ``e`` sits in the logical tensor."""
+    logical = tuple(logical_shape(e, ps.tp_size, vocab_size))
+    dim = 0 if e.vocab else e.dim
+    offset = ps.tp_rank * e.param.shape[dim] if dim is not None else 0
+    return Placement(logical, tuple(e.param.shape), dim, offset)
+
+
+def _entry_range(e: Entry) -> Tuple[int, int]:
+    """Where ``e``'s tensor lies in its owner parameter flattened (all of it, or some rows)."""
+    if e.rows is None:
+        return 0, e.param.numel()
+    row = e.param[0].numel()
+    return e.rows.start * row, e.rows.stop * row
+
+
+def _piece_chunks(e: Entry, place: Placement, piece: StatePiece, key: str,
+                  within: Optional[Tuple[int, int]] = None) -> Chunks:
+    """The part of ``piece`` (a flat range of ``e``'s owner) that is ``e``'s, and inside
+    ``within`` (a range of ``e``'s tensor), as chunks."""
+    start, stop = _entry_range(e)
+    if within is not None:
+        start, stop = start + within[0], start + within[1]
+    lo, hi = max(piece.lo, start), min(piece.hi, stop)
+    if lo >= hi:
+        return Chunks(place.logical, [])
+    return Chunks.of(place, piece.tensors[key][lo - piece.lo:hi - piece.lo], lo - _entry_range(e)[0])
+
+
+def _written_range(numel: int, ps: ParallelState) -> Tuple[int, int]:
+    """The part of a data-parallel-replicated tensor of ``numel`` elements this rank writes."""
+    group = ps.dp_cp_group
+    size, rank = C.group_size(group), C.group_rank(group)
+    return rank * numel // size, (rank + 1) * numel // size
 
 
 def _rank() -> int:
@@ -106,35 +139,43 @@ def _default_step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def _pieces_by_owner(optimizer, step_dtype: torch.dtype) -> Dict[torch.nn.Parameter, List[StatePiece]]:
+    by_owner: Dict[torch.nn.Parameter, List[StatePiece]] = {}
+    for piece in optimizer.checkpoint_pieces(step_dtype):
+        by_owner.setdefault(piece.param, []).append(piece)
+    return by_owner
+
+
 # Save ------------------------------------------------------------------------------------------
-def _saved_view(t: torch.Tensor, e: Entry, ps: ParallelState, vocab_size: int):
-    mesh = _tp_mesh(ps)
-    t = t.detach()
-    if e.vocab:
-        return C.all_gather(t, 0, ps.tp_group)[:vocab_size].contiguous()
-    if e.dim is not None and mesh is not None:
-        return DTensor.from_local(t, mesh, [Shard(e.dim)], run_check=False)
-    return t
-
-
 def _key(name: str, key: str) -> str:
     return f"main/{name}" if key == "main" else f"optim/{name}/{key}"
 
 
 def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
-    """What this rank contributes to a checkpoint: DCP-ready, keyed by logical name."""
+    """What this rank contributes to a checkpoint: DCP-ready, keyed by logical name. Every value is
+    a view of this rank's own storage (``Chunks`` of its TP shard, or of its optimizer pieces), so
+    building it allocates nothing. The data-parallel replicas of a weight (and of its optimizer
+    state, without the distributed optimizer) split its writing: each writes 1/dp of it
+    (``_written_range``), so every rank writes about as much, and an
+    asynchronous save stages only that. Replicas over tp (norms, biases) write the same chunks,
+    which DCP's deduplication writes once."""
     sd = {}
-    states = optimizer.checkpoint_state(_default_step_dtype()) if optimizer is not None else {}
+    pieces = _pieces_by_owner(optimizer, _default_step_dtype()) if optimizer is not None else {}
     for e in entries(model):
         if e.copy:
             continue
-        sd[f"model/{e.name}"] = _saved_view(e.param, e, ps, vocab_size)
-        if optimizer is not None:
-            state = states[e.owner]
-            sd[f"optim/{e.name}/step"] = state["step"]
-            for key in OPTIMIZER_KEYS:
-                if key in state:
-                    sd[_key(e.name, key)] = _saved_view(e.part(state[key]), e, ps, vocab_size)
+        place = placement(e, ps, vocab_size)
+        written = _written_range(e.param.numel(), ps)
+        sd[f"model/{e.name}"] = Chunks.of(place, e.param.detach().reshape(-1)[written[0]:written[1]], written[0])
+        owned = pieces.get(e.owner, [])
+        if owned:
+            sd[f"optim/{e.name}/step"] = owned[0].step
+        # Replicated optimizer state (not the distributed optimizer's) splits its writing as the weights do.
+        within = None if getattr(optimizer, "distributed", False) else written
+        for key in OPTIMIZER_KEYS if optimizer is not None else ():
+            parts = [_piece_chunks(e, place, piece, key, within) for piece in owned if key in piece.tensors]
+            if parts:
+                sd[_key(e.name, key)] = Chunks(place.logical, [c for part in parts for c in part.parts])
     return sd
 
 
@@ -160,10 +201,10 @@ def _first_problem(problem: Optional[str], device: torch.device) -> Optional[str
 
 def _nonfinite(sd: dict) -> Optional[str]:
     """The first tensor of this rank's contribution holding NaN or inf."""
-    for key, t in sd.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            return key
+    for key, value in sd.items():
+        for t in value.local_tensors() if isinstance(value, Chunks) else [value]:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return key
     return None
 
 
@@ -196,7 +237,7 @@ def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta:
         store.prepare(final)
     _barrier()
     tmp = store.tmp_dir(final)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1), planner=SavePlanner())
     if rng_states:
         rng.save(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     _barrier()
@@ -265,46 +306,56 @@ def verify(path: str, device: torch.device) -> None:
 
 
 class _Loader:
-    """Templates DCP fills in place, and how each then lands in this rank's tensors."""
+    """The chunks DCP fills in place (views of this rank's tensors), and the tied embedding's
+    second holder on this rank, filled from the first after the read."""
 
     def __init__(self, ps: ParallelState, vocab_size: int):
-        self.ps, self.vocab_size, self.mesh = ps, vocab_size, _tp_mesh(ps)
-        self.sd, self.targets = {}, {}
+        self.ps, self.vocab_size = ps, vocab_size
+        self.sd: Dict[str, object] = {}
+        self.again: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.first: Dict[str, torch.Tensor] = {}
 
     def add(self, key: str, target: torch.Tensor, e: Entry) -> None:
         if key in self.sd:  # the tied embedding's copy: the same logical tensor again
-            self.targets[key].append((target, e))
+            self.again.append((target, self.first[key]))
             return
-        if e.vocab:
-            template = torch.empty([self.vocab_size, *target.shape[1:]], dtype=target.dtype, device=target.device)
-        elif e.dim is not None and self.mesh is not None:
-            template = DTensor.from_local(target.detach(), self.mesh, [Shard(e.dim)], run_check=False)
-        else:
-            template = target.detach()
-        self.sd[key], self.targets[key] = template, [(target, e)]
+        if e.vocab:  # padding rows are not in the checkpoint: zero, as at initialisation
+            target.zero_()
+        self.sd[key], self.first[key] = Chunks.of(placement(e, self.ps, self.vocab_size), target), target
+
+    def add_pieces(self, key: str, e: Entry, pieces: List[StatePiece], name: str) -> None:
+        if key in self.sd:  # both holders of the tied embedding are never on one rank (pp > 1)
+            raise ValueError(f"{key} is held twice on one rank")
+        place = placement(e, self.ps, self.vocab_size)
+        parts = []
+        for piece in pieces:
+            chunks = _piece_chunks(e, place, piece, name)
+            if e.vocab:
+                for t in piece_views(e, piece, name):
+                    t.zero_()
+            parts += chunks.parts
+        self.sd[key] = Chunks(place.logical, parts)
 
     @torch.no_grad()
     def finish(self) -> None:
-        for key, targets in self.targets.items():
-            loaded = self.sd[key]
-            for target, e in targets:
-                if e.vocab:
-                    rows = target.shape[0]
-                    start = C.group_rank(self.ps.tp_group) * rows
-                    mine = loaded[start:min(start + rows, self.vocab_size)]
-                    target.zero_()
-                    target[:mine.shape[0]].copy_(mine)
-                elif isinstance(loaded, DTensor):
-                    target.copy_(loaded.to_local())
-                elif loaded is not target:
-                    target.copy_(loaded)
+        for target, source in self.again:
+            target.copy_(source)
+
+
+def piece_views(e: Entry, piece: StatePiece, name: str) -> List[torch.Tensor]:
+    """The flat part of ``piece``'s tensor ``name`` that belongs to ``e`` (empty or one view)."""
+    start, stop = _entry_range(e)
+    lo, hi = max(piece.lo, start), min(piece.hi, stop)
+    return [piece.tensors[name][lo - piece.lo:hi - piece.lo]] if lo < hi else []
 
 
 def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_optimizer: bool = True) -> None:
     """Fill this rank's parameters (and AdamW state unless ``load_optimizer`` is false) from the
     checkpoint at ``path``, whatever layout wrote it (collective: every rank calls it). The files
     are verified against their checksums first, and the saved model tensors must match this
-    model's one for one (``load_optimizer=false`` skips the optimizer state, never a layer)."""
+    model's one for one (``load_optimizer=false`` skips the optimizer state, never a layer).
+    DCP reads straight into this rank's tensors: only the saved chunks that overlap them are read,
+    one at a time."""
     device = next(iter(model.parameters())).device
     verify(path, device)
     metadata = read_metadata(path).state_dict_metadata
@@ -324,32 +375,35 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     if optimizer is not None and hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()
     loader = _Loader(ps, vocab_size)
-    states, missing_main = {}, []
+    pieces: Dict[torch.nn.Parameter, List[StatePiece]] = {}
+    steps: Dict[torch.nn.Parameter, torch.Tensor] = {}
+    main_missing = False
     if load_optimizer and optimizer is not None:
         step_key = next(k for k in metadata if k.startswith("optim/") and k.endswith("/step"))
-        states = optimizer.checkpoint_state(metadata[step_key].properties.dtype)
-    for e in local:
-        # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
-        full = e.param.dtype == torch.float32 and f"main/{e.name}" in metadata
-        loader.add(f"main/{e.name}" if full else f"model/{e.name}", e.param, e)
-        if e.owner in states:
-            state = states[e.owner]
-            loader.add(f"optim/{e.name}/step", state["step"], Entry(e.name, e.param, None, False, e.copy))
+        pieces = _pieces_by_owner(optimizer, metadata[step_key].properties.dtype)
+    with torch.no_grad():
+        for e in local:
+            # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
+            full = e.param.dtype == torch.float32 and f"main/{e.name}" in metadata
+            loader.add(f"main/{e.name}" if full else f"model/{e.name}", e.param.detach(), e)
+            owned = pieces.get(e.owner, [])
+            if not owned:
+                continue
+            if e.owner not in steps:
+                steps[e.owner] = torch.zeros((), dtype=owned[0].step.dtype)
+                loader.sd[f"optim/{e.name}/step"] = steps[e.owner]
             for key in OPTIMIZER_KEYS:
-                if key not in state:
+                if key not in owned[0].tensors:
                     continue
                 if _key(e.name, key) in metadata:
-                    loader.add(_key(e.name, key), e.part(state[key]), e)
+                    loader.add_pieces(_key(e.name, key), e, owned, key)
                 else:  # fp32 main weights of a checkpoint saved without them: from the model's
-                    missing_main.append((e.part(state[key]), e.param))
+                    main_missing = True
     safe_load(loader.sd, path)
     loader.finish()
-    with torch.no_grad():
-        for main, param in missing_main:
-            main.copy_(param)
-    if states:
-        optimizer.load_checkpoint_state(states)
-    elif optimizer is not None and hasattr(optimizer, "reload_main_from_model"):
+    if steps:
+        optimizer.load_steps(steps)
+    if optimizer is not None and hasattr(optimizer, "reload_main_from_model") and (main_missing or not steps):
         optimizer.reload_main_from_model()
 
 

@@ -60,6 +60,18 @@ def build_adamw(groups: List[dict], impl: str, *, lr: float, betas, eps: float) 
 
 
 @dataclass
+class StatePiece:
+    """Elements ``[lo, hi)`` of ``param`` flattened, as a checkpoint sees this rank's optimizer
+    state for them: the step count and flat views of the state tensors."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    step: torch.Tensor
+    tensors: Dict[str, torch.Tensor]
+
+
+@dataclass
 class Piece:
     """The part ``[lo, hi)`` of the flattened ``param`` that this rank's Adam updates as ``main``."""
 
@@ -284,55 +296,27 @@ class MegatronOptimizer(torch.optim.Optimizer):
         elif value is not state["step"]:
             state["step"] = value.detach().to("cpu", copy=True)
 
-    def checkpoint_state(self, step_dtype: torch.dtype = torch.float32) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
-        """Per model parameter, its optimizer state as whole TP-local tensors shaped like the
-        parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` and, for 16-bit models, the fp32 ``main``
-        weights. Not distributed, these are the live tensors; distributed, they are gathered over
-        data-parallel ranks (every rank gets all of them), and filling them only loads after
-        ``load_checkpoint_state``."""
+    def checkpoint_pieces(self, step_dtype: torch.dtype = torch.float32) -> List["StatePiece"]:
+        """This rank's optimizer state, piece by piece: each a flat range of a model parameter with
+        its step count and flat views of its live tensors (``exp_avg``, ``exp_avg_sq`` and, for
+        16-bit models, the fp32 ``main`` weights). Nothing is copied or gathered: a checkpoint
+        writes the views, and loading fills them in place (then ``load_steps``). Not distributed,
+        each piece is a whole parameter; distributed, only the ranges this rank owns."""
         self.finish_param_gather()
-        if not self.distributed:
-            views = {}
-            for pc in self.pieces:
-                state = self._piece_state(pc, step_dtype)
-                views[pc.param] = {"step": self._step(pc, state, step_dtype), **{k: state[k] for k in ADAM_KEYS}}
-                if self.separate:
-                    views[pc.param]["main"] = pc.main.data
-            return views
-        keys = ADAM_KEYS + (("main",) if self.separate else ())
-        full = {k: torch.zeros(self.buffer.buffer.numel(), dtype=self.pieces[0].main.dtype,
-                               device=self.buffer.buffer.device) for k in keys}
-        device = self.buffer.buffer.device
-        step = torch.tensor(0.0, dtype=step_dtype, device=device)
+        out = []
         for pc in self.pieces:
             state = self._piece_state(pc, step_dtype)
-            step = self._step(pc, state, step_dtype).to(device, copy=True)
-            for k in keys:
-                full[k][pc.offset + pc.lo:pc.offset + pc.hi] = pc.main.data if k == "main" else state[k]
-        for k in keys:  # each element is owned by exactly one data-parallel rank
-            C.all_reduce(full[k], self.ps.dp_cp_group)
-        C.all_reduce(step, self.ps.dp_cp_group, op=dist.ReduceOp.MAX)
-        step = step.cpu()  # where AdamW keeps it
-        views = {}
-        for p, off in self.buffer.offsets.items():
-            views[p] = {"step": step.clone(), **{k: full[k][off:off + p.numel()].view_as(p) for k in keys}}
-        return views
-
-    @torch.no_grad()
-    def load_checkpoint_state(self, views: Dict[nn.Parameter, Dict[str, torch.Tensor]]) -> None:
-        """Take state filled into ``checkpoint_state``'s tensors: the step counts (stored where
-        the implementation keeps them) and, distributed, this rank's pieces of the rest (not
-        distributed, those were filled in place)."""
-        for pc in self.pieces:
-            state = self._piece_state(pc, views[pc.param]["step"].dtype)
-            loaded = views[pc.param]
-            self._set_step(pc, state, loaded["step"])
-            if not self.distributed:
-                continue
-            for k in ADAM_KEYS:
-                state[k].copy_(loaded[k].reshape(-1)[pc.lo:pc.hi])
+            tensors = {k: state[k].view(-1) for k in ADAM_KEYS}
             if self.separate:
-                pc.main.data.copy_(loaded["main"].reshape(-1)[pc.lo:pc.hi])
+                tensors["main"] = pc.main.data.view(-1)
+            out.append(StatePiece(pc.param, pc.lo, pc.hi, self._step(pc, state, step_dtype), tensors))
+        return out
+
+    def load_steps(self, steps: Dict[nn.Parameter, torch.Tensor]) -> None:
+        """Store loaded step counts (per model parameter) where the implementation keeps them."""
+        for pc in self.pieces:
+            if pc.param in steps:
+                self._set_step(pc, self._piece_state(pc, steps[pc.param].dtype), steps[pc.param])
 
     @torch.no_grad()
     def reload_main_from_model(self) -> None:

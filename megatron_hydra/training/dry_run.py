@@ -138,12 +138,11 @@ def _fake_batch(cfg: RunConfig, derived: Derived) -> Dict[str, torch.Tensor]:
 def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
     """The checkpoint's state dict and this rank's local save plan (what ``dcp.save`` plans
     before writing); returns the number of items planned."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
+    from megatron_hydra.checkpoint.chunks import SavePlanner
     from megatron_hydra.checkpoint.sharded import state_dict
 
     sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size)
-    planner = DefaultSavePlanner()
+    planner = SavePlanner()
     planner.set_up_planner(sd, is_coordinator=dist.get_rank() == 0)
     return len(planner.create_local_plan().items)
 
