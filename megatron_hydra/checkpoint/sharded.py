@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron_hydra.checkpoint import rng, store
-from megatron_hydra.checkpoint.chunks import Chunks, LoadPlanner, Placement, SavePlanner
+from megatron_hydra.checkpoint.chunks import Chunks, Placement, SavePlanner
 from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.backends import logical_parameters
