@@ -153,7 +153,9 @@ def _first_problem(problem: Optional[str], device: torch.device, group=None) -> 
     every rank. One one-element all-reduce; the messages travel only when something is wrong."""
     if _world(group) == 1:
         return problem
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
+    # An explicit dtype: a background save runs this while training may switch the (process-wide)
+    # default dtype, e.g. fp64's precision plugin around each step; the ranks must agree on it.
+    flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:
         return None
