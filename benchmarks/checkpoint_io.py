@@ -4,8 +4,13 @@
 
 gpt_125m-shaped parameters (h=768, 12 heads, vocab 50257; ``layers`` may be lowered to fit a small
 machine) with one step of AdamW state, saved through ``megatron_hydra.checkpoint.sharded`` into a
-temporary directory and loaded back, on CPU with gloo. Saves are synchronous, so the time a save
-blocks training is the whole save call (the barrier-to-barrier time of the slowest rank).
+temporary directory and loaded back, on CPU with gloo. A synchronous save blocks training for the
+whole save call (the barrier-to-barrier time of the slowest rank); an asynchronous one
+(``checkpoint.async_save``) only while ``sharded.snapshot`` stages the state to host memory, the
+write then running on a background thread over a gloo group of its own. Both are measured in the
+same run, the asynchronous save twice (the first allocates the staging buffers, the second reuses
+them, as every later save of a run does), and so is an AdamW step (every parameter and its state
+read and written) with no save in flight and while the second asynchronous save is written.
 Prints numbers; asserts nothing (machines are noisy: compare numbers from one run only).
 """
 
@@ -44,7 +49,8 @@ def _config(layers: int, world: int, layout):
 def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queue) -> None:
     import torch.distributed as dist
 
-    from megatron_hydra.checkpoint.sharded import load, save
+    from megatron_hydra.checkpoint.async_save import BackgroundWriter, HostStager
+    from megatron_hydra.checkpoint.sharded import load, save, snapshot, write
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
@@ -73,6 +79,28 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
             load(path, module.model, opt, ps, vocab)
         dist.barrier()
         results[phase] = time.perf_counter() - start
+    group, stager, writer = dist.new_group(backend="gloo"), HostStager(), BackgroundWriter()
+
+    def timed_step() -> float:
+        begin = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - begin
+
+    results["step_idle"] = sorted(timed_step() for _ in range(3))[1]
+    for i in range(2):  # cold (buffers allocated), then warm (buffers reused)
+        target = f"{path}_async{i}"
+        dist.barrier()
+        start = time.perf_counter()
+        snap = snapshot(target, module.model, opt, ps, vocab, {"step": 1}, stage=stager.stage)
+        writer.submit(target, lambda snap=snap: write(snap, group))
+        results[f"async_blocked{i}"] = time.perf_counter() - start
+        steps = [timed_step() for _ in range(3)]
+        overlapped = writer.in_flight
+        writer.wait()
+        results[f"async_total{i}"] = time.perf_counter() - start
+        if i == 1:
+            results["step_in_flight"], results["overlapped"] = sorted(steps)[1], overlapped
+    dist.barrier()
     queue.put((rank, local, results))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -97,13 +125,21 @@ def measure(name: str, layers: int) -> None:
     rows = sorted(queue.get() for _ in range(world))
     on_disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     shutil.rmtree(tmp)
-    save_s = max(r[2]["save"] for r in rows)
-    load_s = max(r[2]["load"] for r in rows)
+    def slowest(key):
+        return max(r[2][key] for r in rows)
+
+    save_s, load_s = slowest("save"), slowest("load")
     per_rank = sum(r[1] for r in rows) / world / 2**20
     print(f"{name:7s} world={world}  state/rank={per_rank:8.1f} MiB  on disk={on_disk / 2**20:8.1f} MiB  "
           f"save {save_s:6.2f} s ({per_rank / save_s:7.1f} MiB/s/rank)  "
-          f"load {load_s:6.2f} s ({per_rank / load_s:7.1f} MiB/s/rank)  "
-          f"training blocked per save: {save_s:6.2f} s")
+          f"load {load_s:6.2f} s ({per_rank / load_s:7.1f} MiB/s/rank)")
+    cold, warm = slowest("async_blocked0"), slowest("async_blocked1")
+    print(f"{'':7s} training blocked per save: sync {save_s:6.3f} s  async {warm:6.3f} s "
+          f"(first save, allocating its buffers: {cold:6.3f} s)  async/sync {100 * warm / save_s:5.1f}%  "
+          f"async save done after {slowest('async_total1'):6.2f} s")
+    overlapped = all(r[2]["overlapped"] for r in rows)
+    print(f"{'':7s} AdamW step: {slowest('step_idle'):6.3f} s idle, {slowest('step_in_flight'):6.3f} s while the "
+          f"save is written{'' if overlapped else ' (the write ended before the third step)'}")
 
 
 def main(argv) -> None:

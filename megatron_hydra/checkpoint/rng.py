@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Optional
 
 import numpy as np
 
@@ -48,9 +49,11 @@ def restore(state: dict) -> None:
     tracker.states = {name: dict(states) for name, states in state["tracker_states"].items()}
 
 
-def save(path: str) -> None:
+def save(path: str, state: Optional[dict] = None) -> None:
+    """Write ``state`` (one that ``capture`` took earlier, e.g. before a save went to the
+    background), or the states now."""
     os.makedirs(os.path.dirname(path), exist_ok=True)  # every rank writes its own file into one directory
-    torch.save(capture(), path)
+    torch.save(capture() if state is None else state, path)
 
 
 def load(path: str) -> None:

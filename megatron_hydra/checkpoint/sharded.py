@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -129,9 +129,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _world(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _barrier(group=None) -> None:
+    if _world(group) > 1:
+        dist.barrier(group=group)
 
 
 def _default_step_dtype() -> torch.dtype:
@@ -179,73 +183,113 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
     return sd
 
 
-def _share(files: List[str]) -> List[str]:
+def _share(files: List[str], group=None) -> List[str]:
     """This rank's part of a checkpoint's files for hashing: each file is hashed by one rank."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return files[_rank()::world]
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return files[rank::_world(group)]
 
 
-def _first_problem(problem: Optional[str], device: torch.device) -> Optional[str]:
+def _first_problem(problem: Optional[str], device: torch.device, group=None) -> Optional[str]:
     """Agree on checks each rank ran on its own share: the lowest rank's problem, or ``None``, on
     every rank. One one-element all-reduce; the messages travel only when something is wrong."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _world(group) == 1:
         return problem
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    # An explicit dtype: a background save runs this while training may switch the (process-wide)
+    # default dtype, e.g. fp64's precision plugin around each step; the ranks must agree on it.
+    flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:
         return None
-    found: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
+    found: List[Optional[str]] = [None] * _world(group)
+    dist.all_gather_object(found, problem, group=group)
     return next(p for p in found if p is not None)
+
+
+def _local_tensors(value) -> List[torch.Tensor]:
+    """The local tensors of a state dict value: ``Chunks`` or a plain tensor."""
+    return value.local_tensors() if isinstance(value, Chunks) else [value]
 
 
 def _nonfinite(sd: dict) -> Optional[str]:
     """The first tensor of this rank's contribution holding NaN or inf."""
     for key, value in sd.items():
-        for t in value.local_tensors() if isinstance(value, Chunks) else [value]:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        for local in _local_tensors(value):
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
                 return key
     return None
 
 
-def _gather_checksums(tmp: str) -> Optional[Dict[str, dict]]:
+def _gather_checksums(tmp: str, group=None) -> Optional[Dict[str, dict]]:
     """Size and SHA-256 of every file of the written directory, each hashed by one rank; the
     whole table on rank 0 (``None`` elsewhere). Called once every rank has finished writing."""
-    mine = store.checksums(tmp, _share(store.checkpoint_files(tmp)))
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    mine = store.checksums(tmp, _share(store.checkpoint_files(tmp), group))
+    if _world(group) == 1:
         return mine
-    parts = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    parts = [None] * _world(group) if _rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=group)
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
-def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True) -> None:
-    """Write the checkpoint ``final`` (collective: every rank calls it). ``optimizer=None`` saves
-    the model only; ``rng_states=False`` leaves out the ranks' random states (a model written
-    outside a run). ``meta`` (JSON-able) is stored as ``meta.json`` by rank 0, with the checksums
-    of every file. A state holding NaN or inf is refused before anything is written: a diverged
-    run never replaces a good checkpoint, nor makes retention delete one."""
-    rank = _rank()
+@dataclass
+class Snapshot:
+    """Everything a save writes, taken on the training thread (``snapshot``); ``write`` turns it
+    into the checkpoint directory on any thread."""
+
+    final: str
+    sd: dict
+    meta: dict
+    rng: Optional[dict]  # this rank's generator states when the snapshot was taken
+    device: torch.device  # the training device: collectives over the default group use it
+
+
+def snapshot(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True,
+             stage: Optional[Callable[[dict], dict]] = None) -> Snapshot:
+    """What this rank saves into ``final``, as of now (collective when TP gathers a vocabulary
+    table). ``stage`` copies the state dict to host memory (``async_save.HostStager``) so that
+    training may go on changing the parameters while ``write`` runs; without it the snapshot
+    holds views of the live tensors and must be written before the next step."""
     sd = state_dict(model, optimizer, ps, vocab_size)
-    device = next(iter(model.parameters())).device
-    bad = _first_problem(_nonfinite(sd), device)
+    if stage is not None:
+        sd = stage(sd)
+    return Snapshot(final, sd, {**meta, "has_optimizer": optimizer is not None},
+                    rng.capture() if rng_states else None, next(iter(model.parameters())).device)
+
+
+def write(snap: Snapshot, group=None) -> None:
+    """Write a snapshot as the checkpoint ``snap.final`` (collective over ``group``, every rank
+    calls it; ``None``: the default group). A background writer passes a gloo group of its own,
+    so that these collectives never interleave with training's. A state holding NaN or inf is
+    refused before anything is written: a diverged run never replaces a good checkpoint, nor
+    makes retention delete one."""
+    rank, final = _rank(), snap.final
+    device = torch.device("cpu") if group is not None and dist.get_backend(group) == "gloo" else snap.device
+    bad = _first_problem(_nonfinite(snap.sd), device, group)
     if bad is not None:
         raise CheckpointError(f"refused to save {final}: {bad} holds NaN or inf, so nothing was written (after a "
                               "diverged run the older checkpoints are kept: resume from the newest with a lower "
                               "optim.lr)")
     if rank == 0:
         store.prepare(final)
-    _barrier()
+    _barrier(group)
     tmp = store.tmp_dir(final)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1), planner=SavePlanner())
-    if rng_states:
-        rng.save(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    _barrier()
-    sums = _gather_checksums(tmp)
+    dcp.save(snap.sd, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1), planner=SavePlanner(),
+             process_group=group)
+    if snap.rng is not None:
+        rng.save(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"), snap.rng)
+    _barrier(group)
+    sums = _gather_checksums(tmp, group)
     if rank == 0:
-        store.write_meta(tmp, {**meta, "has_optimizer": optimizer is not None, "checksums": sums})
+        store.write_meta(tmp, {**snap.meta, "checksums": sums})
         store.commit(final)
-    _barrier()
+    _barrier(group)
+
+
+def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True) -> None:
+    """Write the checkpoint ``final`` now (collective: every rank calls it). ``optimizer=None``
+    saves the model only; ``rng_states=False`` leaves out the ranks' random states (a model
+    written outside a run). ``meta`` (JSON-able) is stored as ``meta.json`` by rank 0, with the
+    checksums of every file. The same two steps as a background save, on this thread."""
+    write(snapshot(final, model, optimizer, ps, vocab_size, meta, rng_states))
 
 
 # Load ------------------------------------------------------------------------------------------

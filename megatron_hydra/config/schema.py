@@ -235,6 +235,11 @@ class CheckpointConfig:
     # Inside a SLURM job, SIGUSR1/SIGUSR2 (time limit near) save a checkpoint and then requeue the
     # job (scontrol requeue); the requeued job resumes from it. false: save and stop only.
     requeue_on_signal: bool = True
+    # true: a save blocks training only while the state is copied to host memory (pinned buffers on
+    # a GPU); a background thread writes it, on a gloo process group of its own. At most one save
+    # is in flight; the next save, the end of training and a stop signal's save wait for it, and
+    # its failure is raised there. false: training waits for the whole write.
+    async_save: bool = True
 
 
 @dataclass

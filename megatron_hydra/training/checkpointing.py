@@ -22,6 +22,12 @@ trainer's 10), still at a step boundary, with a save on every rank. ``checkpoint
 continues the run. Inside a SLURM job a warning signal also requeues the job once the save is
 complete (``checkpoint.requeue_on_signal``): this callback is the only owner of those signals while
 training, in place of submitit's and Lightning's requeue handlers (docs/cluster.md).
+
+With ``checkpoint.async_save`` (the default) a save blocks the step only while the state is
+copied to host memory (``checkpoint.async_save``); a background thread writes it, prunes and logs,
+its collectives on a gloo process group that every rank creates when training starts, apart from
+training's groups. ``last_saved`` is the step of the newest save started; the next save, the end of
+training (before a requeue), and teardown wait for the one in flight, and raise its failure.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from datetime import timedelta
 from typing import List, Optional
 
 import pytorch_lightning as pl
@@ -36,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hydra.checkpoint import plan, sharded, store
+from megatron_hydra.checkpoint.async_save import BackgroundWriter, HostStager
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.parallel.state import ParallelState
@@ -89,6 +98,10 @@ class CheckpointCallback(pl.Callback):
         self.stop_signal_kind = 0.0  # 1: SIGTERM, 2: a warning signal (save, then requeue)
         self.save_due = False
         self._previous_handlers: dict = {}
+        self.blocked_s: List[float] = []  # how long each save held the training thread
+        self._writer = BackgroundWriter() if cfg.checkpoint.async_save else None
+        self._stager = HostStager() if cfg.checkpoint.async_save else None
+        self._group = None  # the background writer's process group
 
     @staticmethod
     def optimizer_of(trainer: pl.Trainer):
@@ -97,6 +110,9 @@ class CheckpointCallback(pl.Callback):
     # Resume ----------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._previous_handlers = install_stop_handlers()
+        if self._writer is not None and dist.is_initialized():  # collective: every rank, here
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         if self.ps.rank == 0:
             for leftover in store.clean(self.dir):
                 log.info("removed %s: an interrupted save or prune, not a checkpoint", leftover)
@@ -154,6 +170,7 @@ class CheckpointCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_due or (self.cfg.checkpoint.save_last and self.last_saved != trainer.global_step):
             self.save(trainer, pl_module)
+        self.wait()  # the checkpoint is on disk before a requeue, or before the run reports its end
         if self.stop_signal_kind == 2 and self.cfg.checkpoint.requeue_on_signal:
             self._requeue()
         if self.stopped_by_signal:
@@ -164,8 +181,21 @@ class CheckpointCallback(pl.Callback):
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
+        self.wait()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def wait(self) -> None:
+        """Until the background save in flight (if any) is on disk; its failure is raised here."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """Save this step: whole, or (``async_save``) staged to host memory and handed to the
+        background writer. Returns the checkpoint's path."""
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight; a failed one stops the run here
         step = trainer.global_step
         self.save_due = False
         guard = getattr(pl_module, "guard", None)
@@ -177,9 +207,23 @@ class CheckpointCallback(pl.Callback):
         meta = plan.meta(self.cfg, self.derived, step, pl_module.consumed_samples)
         if getattr(pl_module, "loss_scaler", None) is not None:
             meta["loss_scaler"] = pl_module.loss_scaler.state_dict()
-        sharded.save(path, pl_module.model, self.optimizer_of(trainer), self.ps, self.derived.transformer.vocab_size, meta)
+        snap = sharded.snapshot(path, pl_module.model, self.optimizer_of(trainer), self.ps,
+                                self.derived.transformer.vocab_size, meta,
+                                stage=self._stager.stage if self._stager is not None else None)
+        if self._writer is not None:
+            self._writer.submit(path, lambda: self._write(snap))
+        else:
+            self._write(snap)
         self.last_saved = step
+        self.blocked_s.append(time.perf_counter() - start)
+        if self.ps.rank == 0:
+            log.info("checkpoint %s: training blocked %.3f s%s", path, self.blocked_s[-1],
+                     " (written in the background)" if self._writer is not None else "")
+        return path
+
+    def _write(self, snap: sharded.Snapshot) -> None:
+        """Write, then (rank 0) retention: on the background thread when ``async_save``."""
+        sharded.write(snap, self._group)
         if self.ps.rank == 0:
             pruned = store.prune(self.dir, self.cfg.checkpoint.keep_last)
-            log.info("saved checkpoint %s%s", path, f" (removed {len(pruned)} older)" if pruned else "")
-        return path
+            log.info("saved checkpoint %s%s", snap.final, f" (removed {len(pruned)} older)" if pruned else "")
