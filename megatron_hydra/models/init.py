@@ -160,6 +160,10 @@ def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: i
         fill_shard(lp.tensor, lp.name, cfg, seed, getattr(lp.param, "tp_partition_dim", None), tp_rank, tp_size)
 
 
+def _on_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"  # not ``is_meta``: a fake tensor (the dry run's) says False
+
+
 def materialize(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int,
                 device=None) -> nn.Module:
     """Give a model built on the meta device its storage on ``device`` and its initial values:
@@ -170,17 +174,19 @@ def materialize(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: in
     done = {}
     for module in model.modules():
         for key, p in module._parameters.items():
-            if p is None or not p.is_meta:
+            if p is None or not _on_meta(p):
                 continue
             if id(p) not in done:
                 q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-                q.__dict__.update(p.__dict__)  # tp_partition_dim, logical, shared_embedding, ...
+                # Our tags (tp_partition_dim, logical, shared_embedding, ...), not a fake tensor's own
+                # fields (fake_device: the dry run's parameters are fake tensors).
+                q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
                 done[id(p)] = q
             module._parameters[key] = done[id(p)]
-        if any(b is not None and b.is_meta for b in module._buffers.values()):
+        if any(b is not None and _on_meta(b) for b in module._buffers.values()):
             module.reset_buffers(device)
         for key, value in vars(module).items():  # placeholders such as TE's bias=False tensor
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta:
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and _on_meta(value):
                 if value.numel():
                     raise ValueError(f"{type(module).__name__}.{key} is a meta tensor with values, which "
                                      "materialize cannot recompute: make it a buffer with reset_buffers")
