@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
@@ -133,7 +134,10 @@ def fill_shard(out: torch.Tensor, name: str, cfg: TransformerConfig, seed: int, 
         flat[real:].zero_()
     keys = parameter_keys(seed, name)
     step = chunk or chunk_elements(out.device)
-    for start in range(0, real, step):
+    starts = range(0, real, step)
+    if is_fake(out):  # the dry run's tensors hold no values: one chunk shows the ops and memory of all
+        starts = starts[:1]
+    for start in starts:
         stop = min(start + step, real)
         j = torch.arange(start, stop, dtype=torch.int64, device=out.device)
         if sharded and skip and out.numel() > block:
