@@ -1,20 +1,36 @@
-"""Layout-independent initialisation (Megatron's scheme).
+"""Layout-independent initialisation (Megatron's rules), computed shard by shard.
 
-Each parameter's full, logical tensor is drawn from a generator seeded by the run seed and the
-parameter's logical name, then this rank keeps its TP shard. So the initial model is the same for
-every tp, pp and dp, and adding a layer never changes the draws of the others. Rules:
-weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2)
+Every element of a logical (unsharded) parameter has its initial value as a pure function of the
+run seed, the parameter's logical name and the element's index in the logical tensor (row-major):
+a counter-based generator. A rank computes only the elements it holds, from its TP-local shape
+and its shard's offset along ``tp_partition_dim``; nothing is drawn whole, so a 70B model's 4 GB
+embedding costs each of tp ranks 1/tp of it, and the values are the same for every tp, pp and dp
+(adding a layer never changes the others). The work runs in chunks of ``chunk_elements(device)``
+elements on the tensor's own device, so its temporary memory is bounded (a few MB on CPU).
+
+The generator: murmur3's 32-bit finaliser (``_fmix``), done in int64 torch ops masked to 32 bits
+(every product fits in int64: constants above 2^31 are used as their negative 32-bit twins),
+keyed by (seed, crc32(name)); three keyed rounds per element give two 32-bit uniforms, and
+Box-Muller turns them into one normal, in float64, then cast to the parameter's dtype.
+
+Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2)
 normal(0, init_std / sqrt(2 * num_layers)); biases zero; norm weights one. Vocabulary tables draw
 only their ``vocab_size`` real rows; the padding rows (whose number depends on tp) are zero, so
 the real rows are the same whatever the padding.
+
+Models are built on the meta device and given storage here (``materialize``): each parameter is
+allocated on the target device and filled there, so no CPU copy of the model exists on the way.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
@@ -23,33 +39,161 @@ OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
 # [padded_vocab, ...], vocab-parallel; BERT's masked-LM bias is one too (zero like every bias).
 VOCAB_TABLES = ("embedding.weight", "output_weight", "lm_head.bias")
 
-
-def _full_shape(local: torch.Tensor, dim, tp_size: int):
-    shape = list(local.shape)
-    if dim is not None:
-        shape[dim] *= tp_size
-    return shape
+_MASK = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
 
 
-def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int) -> torch.Tensor:
-    """The full initial value of parameter ``name`` (float32, on CPU)."""
+def _signed(c: int) -> int:
+    """The int64 factor congruent to the 32-bit constant ``c`` with |factor| < 2^31."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3 fmix32
+_S1, _S2 = _signed(_M1), _signed(_M2)
+
+
+def _fmix_int(h: int) -> int:
+    h &= _MASK
+    h ^= h >> 16
+    h = (h * _M1) & _MASK
+    h ^= h >> 13
+    h = (h * _M2) & _MASK
+    return h ^ (h >> 16)
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int64 tensors holding 32-bit values, in place."""
+    h.bitwise_xor_(h >> 16).mul_(_S1).bitwise_and_(_MASK)
+    h.bitwise_xor_(h >> 13).mul_(_S2).bitwise_and_(_MASK)
+    return h.bitwise_xor_(h >> 16)
+
+
+def parameter_keys(seed: int, name: str) -> Sequence[int]:
+    """The four 32-bit round keys of parameter ``name`` under run seed ``seed``."""
+    seed %= 1 << 64
+    k = _fmix_int(_fmix_int(zlib.crc32(name.encode()) ^ _GOLDEN) ^ (seed & _MASK))
+    k = _fmix_int(k ^ (seed >> 32) ^ 0x68E31DA4)
+    return [_fmix_int(k + i * _GOLDEN) for i in range(1, 5)]
+
+
+def normal_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int] = None) -> torch.Tensor:
+    """Standard normal values (float64) at the logical element indices ``index`` (int64 >= 0), a
+    pure function of (keys, index). ``max_index``: a bound on ``index`` known on the host (skips
+    the high-word rounds when every index fits 32 bits, without reading the tensor)."""
+    k0, k1, k2, k3 = keys
+    h = _fmix((index & _MASK) ^ k0)
+    a, b = h ^ k1, h.bitwise_xor_(k2)
+    if max_index is None or max_index >> 32:
+        # Indices 2^32 apart share h: their uniforms are keyed by the high word too (0 below 2^32).
+        hi = index >> 32
+        high = hi != 0
+        a.bitwise_xor_(_fmix(hi ^ k3).mul_(high))
+        b.bitwise_xor_(_fmix(hi.bitwise_xor_(k3 ^ k0)).mul_(high))
+    _fmix(a)
+    _fmix(b)
+    radius = a.to(torch.float64).add_(0.5).mul_(2.0 ** -32).log_().mul_(-2.0).sqrt_()
+    return radius.mul_(b.to(torch.float64).mul_(2.0 * math.pi * 2.0 ** -32).cos_())
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements per chunk: small on CPU (cache-resident, ~12 MB of temporaries), larger on
+    accelerators (fewer kernel launches, ~50 MB)."""
+    return 1 << 18 if torch.device(device).type == "cpu" else 1 << 20
+
+
+def _rule(name: str, cfg: TransformerConfig):
+    """("zero" | "one" | "normal", std) for parameter ``name``."""
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return "zero", 0.0
     if "norm" in name:
-        return torch.ones(shape)
-    std = cfg.output_init_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    if name in VOCAB_TABLES:
-        real = torch.randn([cfg.vocab_size, *shape[1:]], generator=gen) * std
-        return torch.cat([real, real.new_zeros([shape[0] - cfg.vocab_size, *shape[1:]])])
-    return torch.randn(shape, generator=gen) * std
+        return "one", 0.0
+    return "normal", cfg.output_init_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
+
+
+@torch.no_grad()
+def fill_shard(out: torch.Tensor, name: str, cfg: TransformerConfig, seed: int, dim: Optional[int] = None,
+               shard: int = 0, num_shards: int = 1, chunk: Optional[int] = None) -> None:
+    """Fill ``out`` with its part of logical parameter ``name``: shard ``shard`` of ``num_shards``
+    equal slices along ``dim`` (None: the whole tensor), chunk by chunk on ``out``'s device."""
+    kind, std = _rule(name, cfg)
+    if kind != "normal":
+        out.fill_(0.0 if kind == "zero" else 1.0)
+        return
+    shape = list(out.shape)
+    flat = out.view(-1)  # contiguous: a parameter or a row range of one
+    # logical index of local flat index j: j + (j // (B_loc * C)) * (B - B_loc) * C + offset * C,
+    # with B_loc / B the local / logical size along ``dim`` and C the elements behind it.
+    sharded = dim is not None and num_shards > 1
+    local_b = shape[dim] if sharded else 1
+    behind = math.prod(shape[dim + 1:]) if sharded else 1
+    block, skip = local_b * behind, (num_shards - 1) * local_b * behind
+    base = shard * local_b * behind if sharded else 0
+    real = out.numel()
+    if name in VOCAB_TABLES:  # rows past vocab_size are padding: zero (split along rows, dim 0)
+        real = max(0, min(real, cfg.vocab_size * math.prod(shape[1:]) - base))
+        flat[real:].zero_()
+    keys = parameter_keys(seed, name)
+    step = chunk or chunk_elements(out.device)
+    starts = range(0, real, step)
+    if is_fake(out):  # the dry run's tensors hold no values: one chunk shows the ops and memory of all
+        starts = starts[:1]
+    for start in starts:
+        stop = min(start + step, real)
+        j = torch.arange(start, stop, dtype=torch.int64, device=out.device)
+        if sharded and skip and out.numel() > block:
+            index = (j // block).mul_(skip).add_(j).add_(base)
+        else:
+            index = j.add_(base)
+        last = stop - 1 + (stop - 1) // block * skip + base
+        flat[start:stop].copy_(normal_at(index, keys, max_index=last).mul_(std))
+
+
+def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32,
+                   device="cpu") -> torch.Tensor:
+    """The whole initial value of parameter ``name`` of logical ``shape`` (for tests and tools;
+    training never builds one): the same function as every shard's, over the whole index range."""
+    out = torch.empty(list(shape), dtype=dtype, device=device)
+    fill_shard(out, name, cfg, seed)
+    return out
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int) -> None:
+    """Fill every parameter of ``model`` (this TP rank's shards) with its initial value."""
     for lp in logical_parameters(model):  # by logical name, whichever implementation holds them
-        dim = getattr(lp.param, "tp_partition_dim", None)
-        full = logical_tensor(lp.name, _full_shape(lp.tensor, dim, tp_size), cfg, seed)
-        if dim is not None and tp_size > 1:
-            full = full.chunk(tp_size, dim=dim)[tp_rank]
-        lp.tensor.copy_(full.to(dtype=lp.tensor.dtype, device=lp.tensor.device))
+        fill_shard(lp.tensor, lp.name, cfg, seed, getattr(lp.param, "tp_partition_dim", None), tp_rank, tp_size)
+
+
+def _on_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"  # not ``is_meta``: a fake tensor (the dry run's) says False
+
+
+def materialize(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int,
+                device=None) -> nn.Module:
+    """Give a model built on the meta device its storage on ``device`` and its initial values:
+    each parameter is allocated there (keeping its tags and its sharing between modules) and
+    filled in place; buffers are recomputed by their module's ``reset_buffers(device)``.
+    ``device`` None: torch's default device."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    done = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is None or not _on_meta(p):
+                continue
+            if id(p) not in done:
+                q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                # Our tags (tp_partition_dim, logical, shared_embedding, ...), not a fake tensor's own
+                # fields (fake_device: the dry run's parameters are fake tensors).
+                q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
+                done[id(p)] = q
+            module._parameters[key] = done[id(p)]
+        if any(b is not None and _on_meta(b) for b in module._buffers.values()):
+            module.reset_buffers(device)
+        for key, value in vars(module).items():  # placeholders such as TE's bias=False tensor
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and _on_meta(value):
+                if value.numel():
+                    raise ValueError(f"{type(module).__name__}.{key} is a meta tensor with values, which "
+                                     "materialize cannot recompute: make it a buffer with reset_buffers")
+                setattr(module, key, torch.empty(value.shape, dtype=value.dtype, device=device))
+    init_weights(model, cfg, seed, tp_rank, tp_size)
+    return model

@@ -44,12 +44,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, device=None):
         super().__init__()
-        d = cfg.kv_channels
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
-        angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float64, device=device), inv_freq)
+        self.dim, self.theta, self.length, self.dtype = cfg.kv_channels, cfg.rope_theta, cfg.seq_length, cfg.params_dtype
+        self.reset_buffers(device)
+
+    def reset_buffers(self, device=None) -> None:
+        """Compute the cos/sin tables on ``device`` (again after a model built on the meta
+        device gets its storage: ``models.init.materialize``)."""
+        d = self.dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+        angles = torch.outer(torch.arange(self.length, dtype=torch.float64, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().to(cfg.params_dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(cfg.params_dtype), persistent=False)
+        self.register_buffer("cos", angles.cos().to(self.dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(self.dtype), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""

@@ -7,7 +7,8 @@ tensor without knowing the layer. Parameters replicated across TP whose gradient
 a sequence-parallel slice carry ``sequence_parallel=True``: their grads must be summed over TP.
 
 Layers take the TP process group directly; they know nothing of models or of ``ParallelState``.
-Weights are created empty: ``models.init.init_weights`` fills them layout-independently.
+Weights are created empty (in training on the meta device): ``models.init`` gives them storage and
+fills them layout-independently.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.archs import ARCHS
-from megatron_hydra.models.init import init_weights
+from megatron_hydra.models.init import materialize
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
@@ -59,33 +59,40 @@ def host_sync_step(step: int, cfg: RunConfig) -> bool:
     return (step + 1) % cfg.trainer.log_every_n_steps == 0 or bool(every and (step + 1) % every == 0)
 
 
-def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState):
+def build_model(cfg: RunConfig, derived: Derived, ps: ParallelState, device, **stage) -> torch.nn.Module:
+    """The model (or one pipeline chunk: ``stage`` holds layers, pre_process, post_process),
+    built on the meta device and given its storage on ``device`` shard by shard, each parameter
+    filled there from its logical name (``models.init``): no CPU copy, nothing drawn whole."""
+    tcfg = derived.transformer
+    model = ARCHS[tcfg.arch].build(tcfg, ps, device="meta", **stage)
+    return materialize(model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size, device)
+
+
+def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState, device=None):
     """This pipeline rank's model chunks and their virtual stage indices, initialised from the
     logical parameter names (the same values as the whole model at pp=1)."""
-    tcfg, per_stage = derived.transformer, derived.layers_per_stage
+    per_stage = derived.layers_per_stage
     stages = stage_indices(ps.pp_rank, ps.pp_size, derived.vpp, cfg.parallel.pipeline_schedule)
-    chunks = []
-    for stage in stages:
-        chunk = ARCHS[tcfg.arch].build(tcfg, ps, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
-                         post_process=stage == len(per_stage) - 1)
-        init_weights(chunk, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
-        chunks.append(chunk)
+    chunks = [build_model(cfg, derived, ps, device, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
+                          post_process=stage == len(per_stage) - 1) for stage in stages]
     return chunks, stages
 
 
 class LMModule(pl.LightningModule):
-    def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState):
+    """``device``: where the model's storage is allocated and initialised (None: torch's default
+    device, which the dry run sets to its fake GPU)."""
+
+    def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState, device=None):
         super().__init__()
         self.automatic_optimization = False
         self.cfg, self.derived, self.ps = cfg, derived, ps
         tcfg = derived.transformer
         self._pipeline, self._stages = None, None
         if derived.pp > 1:
-            chunks, self._stages = build_stage_chunks(cfg, derived, ps)
+            chunks, self._stages = build_stage_chunks(cfg, derived, ps, device)
             self.model = torch.nn.ModuleList(chunks)
         else:
-            self.model = ARCHS[tcfg.arch].build(tcfg, ps)
-            init_weights(self.model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size)
+            self.model = build_model(cfg, derived, ps, device)
         self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
         # Throughput window: when it started (None: at the next step) and the steps it holds.

@@ -147,7 +147,7 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     seed = cfg.seed + 100 * ps.pp_rank
     pl.seed_everything(seed, workers=True, verbose=False)
     seed_model_parallel(seed, ps.tp_rank)
-    module = LMModule(cfg, derived, ps)
+    module = LMModule(cfg, derived, ps, device)  # built and initialised on its device
     strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 distributed_optimizer=cfg.optim.distributed_optimizer, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
     start = start_point(cfg, derived)
