@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput per rank, and how long a save blocks training.
 
-    python benchmarks/checkpoint_io.py [layers=12] [layouts=single,dp2,tp2]
+    python benchmarks/checkpoint_io.py [layers=12] [layouts=single,dp2,tp2,zero1_dp2,zero1_dp4]
 
 gpt_125m-shaped parameters (h=768, 12 heads, vocab 50257; ``layers`` may be lowered to fit a small
 machine) with one step of AdamW state, saved through ``megatron_hydra.checkpoint.sharded`` into a
@@ -11,6 +11,9 @@ write then running on a background thread over a gloo group of its own. Both are
 same run, the asynchronous save twice (the first allocates the staging buffers, the second reuses
 them, as every later save of a run does), and so is an AdamW step (every parameter and its state
 read and written) with no save in flight and while the second asynchronous save is written.
+The peak resident memory a save and a load add on each rank (``VmHWM``) is printed beside the
+rank's shard of the checkpoint (its optimizer state and its 1/dp of the weights) plus one gradient
+bucket, the most they may add; ``zero1_dp2`` and ``zero1_dp4`` run the distributed optimizer.
 Prints numbers; asserts nothing (machines are noisy: compare numbers from one run only).
 """
 
@@ -27,7 +30,28 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"single": (1, ["parallel=single"]), "dp2": (2, ["parallel=single"]), "tp2": (2, ["parallel=tp2"])}
+LAYOUTS = {"single": (1, ["parallel=single"]), "dp2": (2, ["parallel=single"]), "tp2": (2, ["parallel=tp2"]),
+           "zero1_dp2": (2, ["parallel=single", "optim.distributed_optimizer=true"]),
+           "zero1_dp4": (4, ["parallel=single", "optim.distributed_optimizer=true"])}
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_extra(fn) -> int:
+    """Bytes of resident memory ``fn`` adds at its peak (``VmHWM`` reset before it)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _kib("VmRSS")
+    fn()
+    return (_kib("VmHWM") - before) * 1024
 
 
 def _config(layers: int, world: int, layout):
@@ -41,7 +65,7 @@ def _config(layers: int, world: int, layout):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[
             "run_dir=unused", "model=gpt_125m", f"model.num_layers={layers}", "model.seq_length=128",
-            "data=synthetic", f"trainer.devices={world}", "data.micro_batch_size=1", "data.global_batch_size=2",
+            "data=synthetic", f"trainer.devices={world}", "data.micro_batch_size=1", f"data.global_batch_size={max(2, world)}",
             *layout])
     return resolve(OmegaConf.to_object(cfg), visible_gpus=0)
 
@@ -62,23 +86,31 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
     module = LMModule(cfg, derived, ps)
-    opt = module.build_optimizer(GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size))
+    buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size,
+                        distributed=cfg.optim.distributed_optimizer)
+    opt = module.build_optimizer(buffer)
     for p in module.model.parameters():
-        p.grad.fill_(1e-3)
+        p.main_grad.fill_(1e-3)
+    buffer.finish()
     opt.step()
-    local = sum(t.numel() * t.element_size() for p in module.model.parameters()
-                for t in (p, *opt.state[p].values()))
+    opt.finish_param_gather()
+    weights = sum(p.numel() * p.element_size() for p in module.model.parameters())
+    local = weights + opt.optimizer_bytes() + opt.main_weight_bytes()
     vocab = derived.transformer.vocab_size
     results = {}
     for phase in ("save", "load"):
         dist.barrier()
         start = time.perf_counter()
         if phase == "save":
-            save(path, module.model, opt, ps, vocab, {"step": 1})
+            extra = _peak_extra(lambda: save(path, module.model, opt, ps, vocab, {"step": 1}))
         else:
-            load(path, module.model, opt, ps, vocab)
+            extra = _peak_extra(lambda: load(path, module.model, opt, ps, vocab))
         dist.barrier()
         results[phase] = time.perf_counter() - start
+        results[f"{phase}_extra"] = extra
+    results["shard"] = weights // ps.dp_size + opt.optimizer_bytes() + opt.main_weight_bytes()
+    results["bucket"] = max(b.end - b.start for b in buffer.buckets) * 4
+    results["gathered"] = buffer.buffer.numel() * 4 * (3 if opt.separate else 2)  # the state unsharded
     group, stager, writer = dist.new_group(backend="gloo"), HostStager(), BackgroundWriter()
 
     def timed_step() -> float:
@@ -137,6 +169,12 @@ def measure(name: str, layers: int) -> None:
     print(f"{'':7s} training blocked per save: sync {save_s:6.3f} s  async {warm:6.3f} s "
           f"(first save, allocating its buffers: {cold:6.3f} s)  async/sync {100 * warm / save_s:5.1f}%  "
           f"async save done after {slowest('async_total1'):6.2f} s")
+    def largest(key):
+        return max(r[2][key] for r in rows) / 2**20
+
+    print(f"{'':7s} peak extra memory per rank: save {largest('save_extra'):6.1f} MiB  load {largest('load_extra'):6.1f} "
+          f"MiB  (the rank's shard of the checkpoint {largest('shard'):6.1f} MiB + one bucket "
+          f"{largest('bucket'):6.1f} MiB; the state gathered whole: {largest('gathered'):6.1f} MiB)")
     overlapped = all(r[2]["overlapped"] for r in rows)
     print(f"{'':7s} AdamW step: {slowest('step_idle'):6.3f} s idle, {slowest('step_in_flight'):6.3f} s while the "
           f"save is written{'' if overlapped else ' (the write ended before the third step)'}")
@@ -146,7 +184,8 @@ def main(argv) -> None:
     args = dict(a.split("=", 1) for a in argv)
     layers = int(args.get("layers", 12))
     print(f"gpt_125m-shaped, {layers} layers, fp32 params + AdamW state, CPU/gloo, {os.cpu_count()} cores")
-    for name in args.get("layouts", "single,dp2,tp2").split(","):
+    print("(layouts: " + ", ".join(LAYOUTS) + ")")
+    for name in args.get("layouts", ",".join(LAYOUTS)).split(","):
         measure(name, layers)
 
 
