@@ -36,6 +36,7 @@ CHOICES = {
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "model.transformer_impl": ("local", "transformer_engine"),
     "optim.impl": ("auto", "fused", "foreach", "apex"),
+    "parallel.data_parallel": ("ddp", "fsdp"),
 }
 # precision.fp8's choices, checked when it is set (precision=fp8).
 FP8_CHOICES = {
@@ -374,6 +375,31 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
                               f"but {what} = {size}: change the model shape or use precision=bf16")
 
 
+FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+def _check_fsdp(cfg: RunConfig, pp: int) -> None:
+    """What ``parallel.data_parallel=fsdp`` (``parallel.fsdp``) runs with, and what it does not yet."""
+    if cfg.parallel.data_parallel != "fsdp":
+        return
+    what = "parallel.data_parallel=fsdp"
+    if cfg.optim.distributed_optimizer:
+        raise ConfigError(f"{what} already shards the optimizer state over data-parallel ranks: set "
+                          "optim.distributed_optimizer=false (or use parallel.data_parallel=ddp for ZeRO-1)")
+    if cfg.model.arch != "gpt":
+        raise ConfigError(f"{what} runs the GPT family; model.arch={cfg.model.arch}: use parallel.data_parallel=ddp")
+    if cfg.model.transformer_impl != "local":
+        raise ConfigError(f"{what} is not supported with model.transformer_impl={cfg.model.transformer_impl}: "
+                          "use model.transformer_impl=local or parallel.data_parallel=ddp")
+    if pp > 1 and cfg.parallel.pipeline_schedule not in FSDP_SCHEDULES:
+        raise ConfigError(f"{what} with parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} is not supported "
+                          f"(zero-bubble weight passes bypass FSDP's gradient hooks): use one of {', '.join(FSDP_SCHEDULES)}")
+    ck = cfg.checkpoint
+    if ck.save_last or ck.every_n_steps or ck.load or (ck.resume != "none" and cfg.mode == "train"):
+        raise ConfigError(f"{what} does not save or load checkpoints yet: set checkpoint.save_last=false "
+                          "checkpoint.every_n_steps=0 checkpoint.load=null checkpoint.resume=none")
+
+
 def _fp8_recipe(cfg: RunConfig):
     fp8 = cfg.precision.fp8
     if fp8 is None:
@@ -422,6 +448,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_recompute(cfg, layers)
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
+    _check_fsdp(cfg, pp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
