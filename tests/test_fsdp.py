@@ -97,3 +97,42 @@ def test_fsdp_dp4_holds_a_quarter_of_the_parameters(single, four_ranks):
     assert sum(held) == whole  # the shards partition the parameters
     for b in held:
         assert b == pytest.approx(whole / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["parallel.data_parallel=zero3"], "parallel.data_parallel='zero3'"),
+    (["optim.distributed_optimizer=true"], "optim.distributed_optimizer=false"),
+    (["parallel=pp2", "parallel.pipeline_schedule=zero_bubble"], "parallel.pipeline_schedule=zero_bubble"),
+    (["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
+    (["checkpoint.save_last=true"], "checkpoint.save_last=false"),
+])
+def test_config_errors_are_one_line(overrides, names):
+    from megatron_hydra.config import derive
+    from megatron_hydra.errors import ConfigError
+
+    cfg = compose_config([*SMALL, "trainer.devices=4", *FSDP, *overrides])
+    with pytest.raises(ConfigError) as err:
+        derive(cfg)
+    assert "\n" not in str(err.value) and names in str(err.value)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_plan_against_analytic_count(precision):
+    from megatron_hydra.config import derive
+    from megatron_hydra.planning.memory import rank_memory
+
+    # SMALL at dp4, one micro-batch per rank: h=64, 2 layers, vocabulary padded to 512, 32 positions.
+    cfg = compose_config([*SMALL, "trainer.devices=4", "data.global_batch_size=8", "data.micro_batch_size=2",
+                          f"precision={precision}", "mode=plan", "parallel.data_parallel=fsdp"])
+    row = rank_memory(cfg, derive(cfg), 0)
+    h, layers, vocab, positions = 64, 2, 512, 32
+    block = 12 * h * h + 13 * h  # QKV, projection, fc1, fc2 with biases, two layer norms
+    root = vocab * h + positions * h + 2 * h  # embeddings and the final norm (the head is tied)
+    n = layers * block + root
+    s = n // 4  # every row count divides by 4: no padding
+    if precision == "fp32":
+        expected = (4 * (s + root + 2 * block), 4 * (s + root + block), 0, 8 * s)
+    else:  # fp32 shards are the main weights; bf16 gathered copies; fp32 grads
+        expected = (2 * (root + 2 * block), 4 * (s + root + block), 4 * s, 8 * s)
+    assert row.params == n
+    assert (row.weight_bytes, row.grad_bytes, row.main_weight_bytes, row.optimizer_bytes) == expected

@@ -376,6 +376,9 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
 
 
 FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
+# What a run with parallel.data_parallel=fsdp must set until its checkpoints are written.
+FSDP_NO_CHECKPOINTS = ("checkpoint.save_last=false", "checkpoint.every_n_steps=0", "checkpoint.load=null",
+                       "checkpoint.resume=none")
 
 
 def _check_fsdp(cfg: RunConfig, pp: int) -> None:
@@ -395,9 +398,8 @@ def _check_fsdp(cfg: RunConfig, pp: int) -> None:
         raise ConfigError(f"{what} with parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} is not supported "
                           f"(zero-bubble weight passes bypass FSDP's gradient hooks): use one of {', '.join(FSDP_SCHEDULES)}")
     ck = cfg.checkpoint
-    if ck.save_last or ck.every_n_steps or ck.load or (ck.resume != "none" and cfg.mode == "train"):
-        raise ConfigError(f"{what} does not save or load checkpoints yet: set checkpoint.save_last=false "
-                          "checkpoint.every_n_steps=0 checkpoint.load=null checkpoint.resume=none")
+    if cfg.mode == "train" and (ck.save_last or ck.every_n_steps or ck.load or ck.resume != "none"):
+        raise ConfigError(f"{what} does not save or load checkpoints yet: add {' '.join(FSDP_NO_CHECKPOINTS)}")
 
 
 def _fp8_recipe(cfg: RunConfig):

@@ -22,7 +22,8 @@ flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to
 (``parallel.data_parallel.bucket_layout``, which the plan calls with the rank's parameters in
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
 weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
-parameter tensor, are left out.)
+parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four are sharded and a
+working set of gathered blocks is added: ``planning.fsdp``.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"). Per layer and micro-batch, s = sequence, b = micro-batch, h = hidden, a = heads,
@@ -475,8 +476,15 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     chunks = rank_chunks(cfg, derived, pp_rank)
     numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
     params = sum(numels)
-    padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
-    weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
+    if cfg.parallel.data_parallel == "fsdp":
+        from megatron_hydra.planning.fsdp import chunk_params, fsdp_state_bytes
+
+        held = [p for layers, pre, post in chunks for p in chunk_params(tc, layers, pre, post, derived.tp)]
+        weights, grads, main, optimizer = fsdp_state_bytes(held, tc.params_dtype, derived.dp * derived.cp,
+                                                           derived.pp, derived.num_microbatches)
+    else:
+        padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
+        weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
     full = activation_bytes_per_layer(**layer)
     selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
     checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
@@ -517,7 +525,8 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
             f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
             f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
             f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "
-            f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}")
+            + ("FSDP" if cfg.parallel.data_parallel == "fsdp" else
+               f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}"))
 
 
 def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
