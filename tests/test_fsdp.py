@@ -102,7 +102,7 @@ def test_fsdp_dp4_holds_a_quarter_of_the_parameters(single, four_ranks):
 @pytest.mark.parametrize("overrides,names", [
     (["parallel.data_parallel=zero3"], "parallel.data_parallel='zero3'"),
     (["optim.distributed_optimizer=true"], "optim.distributed_optimizer=false"),
-    (["parallel=pp2", "parallel.pipeline_schedule=zero_bubble"], "parallel.pipeline_schedule=zero_bubble"),
+    (["parallel=pp2", "parallel.pipeline_schedule=zero_bubble"], "parallel.pipeline_schedule=1f1b"),
     (["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
     (["checkpoint.save_last=true"], "checkpoint.save_last=false"),
 ])

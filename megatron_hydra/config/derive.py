@@ -375,7 +375,7 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
                               f"but {what} = {size}: change the model shape or use precision=bf16")
 
 
-FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
+FSDP_SCHEDULES = ("1f1b",)
 # What a run with parallel.data_parallel=fsdp must set until its checkpoints are written.
 FSDP_NO_CHECKPOINTS = ("checkpoint.save_last=false", "checkpoint.every_n_steps=0", "checkpoint.load=null",
                        "checkpoint.resume=none")
@@ -394,9 +394,9 @@ def _check_fsdp(cfg: RunConfig, pp: int) -> None:
     if cfg.model.transformer_impl != "local":
         raise ConfigError(f"{what} is not supported with model.transformer_impl={cfg.model.transformer_impl}: "
                           "use model.transformer_impl=local or parallel.data_parallel=ddp")
-    if pp > 1 and cfg.parallel.pipeline_schedule not in FSDP_SCHEDULES:
-        raise ConfigError(f"{what} with parallel.pipeline_schedule={cfg.parallel.pipeline_schedule} is not supported "
-                          f"(zero-bubble weight passes bypass FSDP's gradient hooks): use one of {', '.join(FSDP_SCHEDULES)}")
+    if pp > 1 and (cfg.parallel.pipeline_schedule not in FSDP_SCHEDULES or (cfg.parallel.virtual_pipeline_size or 1) > 1):
+        raise ConfigError(f"{what} runs pipeline parallelism with parallel.pipeline_schedule=1f1b and no virtual stages "
+                          f"only: set parallel.pipeline_schedule=1f1b parallel.virtual_pipeline_size=null")
     ck = cfg.checkpoint
     if cfg.mode == "train" and (ck.save_last or ck.every_n_steps or ck.load or ck.resume != "none"):
         raise ConfigError(f"{what} does not save or load checkpoints yet: add {' '.join(FSDP_NO_CHECKPOINTS)}")

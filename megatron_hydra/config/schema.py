@@ -75,7 +75,7 @@ class ParallelConfig:
     # holds the whole model, gradients all-reduced in buckets; with optim.distributed_optimizer the
     # main weights and Adam state are sharded, ZeRO-1) | fsdp (torch's FSDP2: parameters, gradients
     # and Adam state all sharded over dp x cp, each transformer block all-gathered while it runs;
-    # GPT family, pipeline schedules 1f1b and interleaved_1f1b).
+    # GPT family; with pipeline parallelism the 1f1b schedule without virtual stages).
     data_parallel: str = "ddp"
 
 
