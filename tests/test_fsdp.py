@@ -130,9 +130,10 @@ def test_memory_plan_against_analytic_count(precision):
     root = vocab * h + positions * h + 2 * h  # embeddings and the final norm (the head is tied)
     n = layers * block + root
     s = n // 4  # every row count divides by 4: no padding
+    gathered = (root + 2 * block) * (4 if precision == "fp32" else 2) + (root + block) * 4  # fp32 grads
     if precision == "fp32":
-        expected = (4 * (s + root + 2 * block), 4 * (s + root + block), 0, 8 * s)
-    else:  # fp32 shards are the main weights; bf16 gathered copies; fp32 grads
-        expected = (2 * (root + 2 * block), 4 * (s + root + block), 4 * s, 8 * s)
+        expected = (4 * s, 4 * s, 0, 8 * s, gathered)
+    else:  # the fp32 shards are the main weights; the gathered copies are bf16, the grads fp32
+        expected = (0, 4 * s, 4 * s, 8 * s, gathered)
     assert row.params == n
-    assert (row.weight_bytes, row.grad_bytes, row.main_weight_bytes, row.optimizer_bytes) == expected
+    assert (row.weight_bytes, row.grad_bytes, row.main_weight_bytes, row.optimizer_bytes, row.gathered_bytes) == expected

@@ -397,6 +397,10 @@ def _check_fsdp(cfg: RunConfig, pp: int) -> None:
     if pp > 1 and (cfg.parallel.pipeline_schedule not in FSDP_SCHEDULES or (cfg.parallel.virtual_pipeline_size or 1) > 1):
         raise ConfigError(f"{what} runs pipeline parallelism with parallel.pipeline_schedule=1f1b and no virtual stages "
                           f"only: set parallel.pipeline_schedule=1f1b parallel.virtual_pipeline_size=null")
+    if (pp > 1 or cfg.parallel.tensor_parallel_size > 1) and cfg.mode == "dry_run":
+        raise ConfigError(f"mode=dry_run with {what} simulates data parallelism alone (on fake tensors FSDP's first "
+                          "forward loses the embedding shard of a TP rank > 0): set parallel.tensor_parallel_size=1 "
+                          "parallel.pipeline_parallel_size=1, or parallel.data_parallel=ddp")
     ck = cfg.checkpoint
     if cfg.mode == "train" and (ck.save_last or ck.every_n_steps or ck.load or ck.resume != "none"):
         raise ConfigError(f"{what} does not save or load checkpoints yet: add {' '.join(FSDP_NO_CHECKPOINTS)}")

@@ -3,8 +3,8 @@
 What it shards. Every parameter, its gradient and the optimizer state are split over the
 data-parallel (dp x cp) group, ZeRO-3 style. Our tensor-parallel layers hold plain tensors (this
 TP rank's shard) and do their own collectives over the TP group, so FSDP sees an ordinary module:
-it splits each TP-local tensor along dim 0 over the data-parallel ranks (``Shard(0)`` on a
-one-dimensional mesh of the dp x cp group) and all-gathers it before the module that owns it runs.
+it splits each TP-local tensor along dim 0 over the data-parallel ranks (``Shard(0)`` on the
+``dp`` dimension of ``ParallelState.mesh``) and all-gathers it before the module that owns it runs.
 
 Units. Each transformer block is one ``fully_shard`` unit (its parameters are gathered together,
 one block at a time, and the next block's gather is prefetched); the model chunk is the root
@@ -36,6 +36,8 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from megatron_hydra.parallel.state import ParallelState
 
 # Attributes our code reads from parameters (parallel.layers, models.transformer): how a
 # parameter relates to its logical tensor.
@@ -80,18 +82,21 @@ def mixed_precision(dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
 
 
-def dp_mesh(group, device_type: str):
-    """The one-dimensional mesh of the data-parallel (dp x cp) group."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
+def dp_mesh(ps: ParallelState):
+    """The one-dimensional mesh of the data-parallel (dp x cp) group: the ``dp`` dimension of
+    ``ps.mesh`` (``config.derive`` keeps cp at 1), whose process group exists already. (A mesh
+    built anew from the group would not do in the dry run: building one computes on tensors,
+    which are fake there.)"""
+    if ps.sizes["cp"] != 1:
+        raise ValueError("FSDP shards over dp x cp; context parallelism (cp > 1) is not supported")
+    return ps.mesh["dp"]
 
 
 def _tags(module: nn.Module) -> dict:
     return {name: {k: getattr(p, k) for k in TAGS if hasattr(p, k)} for name, p in module.named_parameters()}
 
 
-def shard_chunks(chunks: Sequence[nn.Module], layers: Sequence[Sequence[nn.Module]], group, device_type: str,
+def shard_chunks(chunks: Sequence[nn.Module], layers: Sequence[Sequence[nn.Module]], ps: ParallelState,
                  dtype: torch.dtype, reshard_after_forward: bool = True) -> List[nn.Module]:
     """Apply FSDP2 to each model chunk in place: every module of ``layers[i]`` (chunk i's
     transformer blocks) a unit, the chunk the root. 16-bit parameters are widened to fp32 first
@@ -100,7 +105,7 @@ def shard_chunks(chunks: Sequence[nn.Module], layers: Sequence[Sequence[nn.Modul
     micro-batches are in flight). Returns the chunks (now ``FSDPModule`` subclasses)."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = dp_mesh(group, device_type)
+    mesh = dp_mesh(ps)
     policy = mixed_precision(dtype)
     for chunk, blocks in zip(chunks, layers):
         tags = _tags(chunk)

@@ -3,20 +3,22 @@
 FSDP shards every TP-local parameter along dim 0 over the D = dp x cp ranks: rank r holds rows
 ``[r c, (r + 1) c)`` with c = ceil(rows / D), in storage padded to c rows, so a rank's sharded
 element count is S = sum over parameters of ceil(rows / D) x (numel / rows) (N / D when every row
-count divides). Beside the shards a rank holds, while a step runs, gathered copies (the working set):
+count divides). What a rank holds from step to step (g = 4 for 16-bit models, else itemsize):
 
-    weights        16-bit: only the gathered copies, in the compute dtype (the shards are fp32 main
-                   weights); fp32/fp64: S x itemsize plus the gathered copies
-    gathered       pp = 1: the root unit (embeddings, final norm, output layer: gathered for the
-                   whole step) + two blocks (the one running and the prefetched next);
-                   pp > 1: every parameter of the rank (blocks stay gathered from a micro-batch's
-                   forward to its backward, and some micro-batch is always in flight)
-    grads          S x g for the reduced shards (g = 4 for 16-bit models, else itemsize) plus
-                   unsharded grads in g: the root and one block when one backward reduces (one
-                   micro-batch, pp = 1), else every parameter (micro-batches accumulate unsharded
-                   and reduce once, after the last)
-    main weights   S x 4 for 16-bit models (the fp32 shards), else 0
+    weights        fp32/fp64: S x itemsize; 16-bit: 0 (the fp32 shards are the main weights)
+    grads          S x g (the reduced shards)
+    main weights   S x 4 for 16-bit models, else 0
     optimizer      2 x S x 4 (2 x S x 8 for float64)
+
+and while a step runs, besides (``gathered``), unsharded copies in the compute dtype and grads in g:
+
+    weights        pp = 1: the root unit (embeddings, final norm, output layer: gathered for the
+                   whole step) + two blocks (the one running and the prefetched next); pp > 1:
+                   every parameter of the rank (blocks stay gathered from a micro-batch's forward
+                   to its backward, and some micro-batch is always in flight)
+    grads          the root and one block when one backward reduces (one micro-batch, pp = 1);
+                   else every parameter (micro-batches accumulate unsharded, reduced once after
+                   the last)
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ def sharded_elements(params: List[Tuple[int, int, Optional[str]]], d: int) -> in
 
 
 def fsdp_state_bytes(params: List[Tuple[int, int, Optional[str]]], dtype: torch.dtype, d: int, pp: int,
-                     num_microbatches: int) -> Tuple[int, int, int, int]:
-    """(weights, grads, main weights, optimizer state) bytes of a rank holding ``params`` (module docstring)."""
+                     num_microbatches: int) -> Tuple[int, int, int, int, int]:
+    """(weights, grads, main weights, optimizer state, gathered) bytes of a rank holding ``params``
+    (module docstring)."""
     item, grad_item = dtype.itemsize, 4 if dtype in HALF else dtype.itemsize
     shard = sharded_elements(params, d)
     total = sum(n for n, _, _ in params)
@@ -73,10 +76,9 @@ def fsdp_state_bytes(params: List[Tuple[int, int, Optional[str]]], dtype: torch.
         if unit is not None:
             blocks[unit] = blocks.get(unit, 0) + n
     block = max(blocks.values(), default=0)
-    gathered = total if pp > 1 else root + 2 * block
+    gathered_weights = total if pp > 1 else root + 2 * block
     unsharded_grads = total if pp > 1 or num_microbatches > 1 else root + block
-    weights = (0 if dtype in HALF else shard * item) + gathered * item
-    grads = (shard + unsharded_grads) * grad_item
+    weights = 0 if dtype in HALF else shard * item
     main = shard * 4 if dtype in HALF else 0
     optimizer = 2 * shard * (8 if dtype == torch.float64 else 4)
-    return weights, grads, main, optimizer
+    return weights, shard * grad_item, main, optimizer, gathered_weights * item + unsharded_grads * grad_item

@@ -114,7 +114,7 @@ class MegatronStrategy(ParallelStrategy):
         self.fsdp_chunks = list(inner) if isinstance(inner, torch.nn.ModuleList) else [inner]
         blocks = [[m for m in chunk.modules() if isinstance(m, Block)] for chunk in self.fsdp_chunks]
         dtype = next(inner.parameters()).dtype
-        fsdp.shard_chunks(self.fsdp_chunks, blocks, self.parallel_state.dp_cp_group, self.root_device.type, dtype,
+        fsdp.shard_chunks(self.fsdp_chunks, blocks, self.parallel_state, dtype,
                           reshard_after_forward=self.parallel_state.pp_size == 1)
 
     # Gradients ---------------------------------------------------------------------------------
