@@ -229,15 +229,22 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scaler.update(found_inf)
             if found_inf:  # on the grads' device, as a computed norm would be
                 self.last_grad_norm = torch.full((), float("nan"), device=grads[0].device)
+                self._release_fsdp_grads()
                 return None
+        sharded = (self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
-                                         sharded_over_dp=(self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1)
+                                         sharded_over_dp=sharded)
         self.inner.step()
         self._write_back()
-        if self.fsdp:  # the gradients belong to the parameters, which drop them at the next zero_grad
+        self._release_fsdp_grads()
+        return None
+
+    def _release_fsdp_grads(self) -> None:
+        """FSDP: the gradients belong to the parameters, which drop them at the next zero_grad;
+        holding them here too would keep them alive through the next backward."""
+        if self.fsdp:
             for pc in self.pieces:
                 pc.main.grad = None
-        return None
 
     def _write_back(self) -> None:
         if self.fsdp:  # Adam updated the sharded parameters in place; FSDP gathers them at the next forward
