@@ -21,6 +21,7 @@ LAYOUTS = {  # name -> (world size, overrides)
     "tp2_dp2": (4, ["trainer.devices=4", "parallel=tp2", "parallel.sequence_parallel=true"]),
     "pp2_dp2": (4, ["trainer.devices=4", "parallel=pp2"]),
     "dp2_bf16": (2, ["trainer.devices=2", "precision=bf16"]),
+    "dp2_fp16": (2, ["trainer.devices=2", "precision=fp16"]),
 }
 
 
@@ -77,7 +78,7 @@ def single():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn_ranks(_layouts, 2, ["dp2", "dp2_bf16", "ddp:dp2_bf16"])
+    return spawn_ranks(_layouts, 2, ["dp2", "dp2_bf16", "ddp:dp2_bf16", "dp2_fp16", "ddp:dp2_fp16"])
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +99,14 @@ def test_fsdp_equals_single_process(layout, single, two_ranks, four_ranks):
     assert reference[-1][0] < reference[0][0]
 
 
-def test_bf16_fsdp_equals_bf16_ddp(two_ranks):
-    # fp32 shards computed in bf16 and reduced in fp32 are the ddp path's bf16 weights with fp32
-    # main copies and an fp32 grad buffer: the same numbers (measured: equal losses, grad norms
-    # within 1.3e-7).
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_fsdp_equals_16_bit_ddp(precision, two_ranks):
+    # fp32 shards computed in 16 bits and reduced in fp32 are the ddp path's 16-bit weights with
+    # fp32 main copies and an fp32 grad buffer (fp16: the same loss scaling): the same numbers
+    # (measured: equal losses, grad norms within 1.3e-7).
+    name = f"dp2_{precision}"
     for per_layout in two_ranks.values():
-        for (loss, norm), (ref_loss, ref_norm) in zip(per_layout["dp2_bf16"][0], per_layout["ddp:dp2_bf16"][0]):
+        for (loss, norm), (ref_loss, ref_norm) in zip(per_layout[name][0], per_layout[f"ddp:{name}"][0]):
             assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6)
 
 

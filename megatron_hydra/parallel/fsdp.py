@@ -19,8 +19,8 @@ reduced in fp32 (``reduce_dtype``), as the ``ddp`` path keeps fp32 main weights 
 fp32. fp32 and fp64 models compute, reduce and update in their own dtype.
 
 Gradient reduction equals the ``ddp`` path's: grads are summed over the group, then divided by
-its size (``set_force_sum_reduction_for_comms``; FSDP's default averages inside the collective,
-which gloo cannot do). Micro-batches other than the last accumulate unsharded and unreduced
+its size (``set_force_sum_reduction_for_comms``, rather than FSDP's default of averaging inside
+the collective). Micro-batches other than the last accumulate unsharded and unreduced
 (``set_requires_gradient_sync(False)``); the pipeline schedule reduces once after all of them
 (``finish_backward``).
 
