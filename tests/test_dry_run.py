@@ -53,6 +53,18 @@ def test_default_positions_cover_every_stage_and_tp_class():
         _within_plan(r)
 
 
+def test_fsdp_steps_on_the_fake_group_within_plan():
+    # parallel.data_parallel=fsdp: FSDP2 shards, gathers and reduce-scatters on the fake group; the
+    # sharded state after the step is the plan's (planning.fsdp), at dp4.
+    cfg, derived = _cfg("model=gpt_125m", "trainer.devices=4", "data.micro_batch_size=1",
+                        "data.global_batch_size=4", "precision=bf16", "parallel.data_parallel=fsdp", "mode=dry_run")
+    for result in D.dry_run(cfg, derived, [0, 3]):
+        _within_plan(result, tolerance=0.01)
+        assert result.peak_bytes > result.static_bytes
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size=1"):
+        _cfg("model=gpt_125m", "parallel=tp2", "trainer.devices=8", "parallel.data_parallel=fsdp", "mode=dry_run")
+
+
 def test_planted_device_bug_is_named(monkeypatch):
     def loss_with_host_tensor(per_token_loss, loss_mask):
         weights = torch.ones(per_token_loss.shape)  # on the host, whatever the model's device

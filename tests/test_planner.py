@@ -4,6 +4,7 @@ and mode=plan_layouts printing commands that compose into the planned layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -62,11 +63,15 @@ def test_pipeline_bubble_is_narayanan_eq2(selene, vpp):
 def _static_lower_bound(cfg, lay: Layout) -> float:
     """Bytes a rank must hold before any activation: bf16 weights, fp32 grads and fp32 Adam state
     plus main weights (sharded over dp with the distributed optimizer) of the layers of one
-    stage and the tensor-parallel share of the vocabulary embedding (Rajbhandari et al. 2020)."""
+    stage and the tensor-parallel share of the vocabulary embedding (Rajbhandari et al. 2020); with
+    FSDP (ZeRO-3) the fp32 grads, main weights and Adam state all over dp, the gathered bf16
+    weights left out."""
     m = cfg.model
     h, layers = m.hidden_size, m.num_layers
     per_layer = 12 * h * h
     params = (layers // lay.pp * per_layer) / lay.tp
+    if lay.fsdp:
+        return params * 16 / lay.dp
     opt = 12 / lay.dp if lay.distributed_optimizer else 12
     return params * (2 + 4 + opt)
 
@@ -119,6 +124,28 @@ def test_plan_layouts_prints_runnable_commands(env_no_launcher, tmp_path):
 def test_sc21_options_keep_the_2021_features():
     cfg = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
     opts = Options(recompute=("full",), sequence_parallel=(False,), distributed_optimizer=(False,),
-                   overlap_grad_reduce=False)
+                   data_parallel=("ddp",), overlap_grad_reduce=False)
     assert all(lay.recompute == "full" and not lay.sequence_parallel and not lay.distributed_optimizer
-               for lay in layouts(cfg, cfg.cluster, opts))
+               and not lay.fsdp for lay in layouts(cfg, cfg.cluster, opts))
+
+
+def test_fsdp_layouts_are_searched_and_their_commands_derive():
+    from megatron_hydra.planning.layouts import overrides
+
+    cfg = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
+    found = [lay for lay in layouts(cfg, cfg.cluster) if lay.fsdp]
+    assert found and all(lay.dp > 1 and not lay.distributed_optimizer for lay in found)
+    lay = next(x for x in found if x.tp == 8 and x.pp == 1 and x.micro_batch == 1 and x.recompute is None)
+    words = overrides(lay)
+    assert "parallel.data_parallel=fsdp" in words
+    run = compose_config(["model=gpt_8b", "data.global_batch_size=256", "precision=bf16", "trainer=gpu",
+                          "trainer.devices=8", "trainer.num_nodes=8", *words])
+    assert derive(run).dp == 8 and run.parallel.data_parallel == "fsdp"
+    # FSDP gathers the weights twice per micro-batch (forward and backward): with a micro-batch of
+    # one sample the gathers outlast the compute that hides them, and cost more than DDP's single
+    # all-reduce; with eight they hide entirely.
+    tc = derive(run).transformer
+    small, large = lay, dataclasses.replace(lay, micro_batch=8)
+    assert estimate(tc, 256, small, cfg.cluster).dp_comm > estimate(tc, 256, dataclasses.replace(small, fsdp=False),
+                                                                     cfg.cluster).dp_comm
+    assert estimate(tc, 256, large, cfg.cluster).dp_comm == 0.0

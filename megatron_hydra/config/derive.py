@@ -36,6 +36,7 @@ CHOICES = {
     "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "model.transformer_impl": ("local", "transformer_engine"),
     "optim.impl": ("auto", "fused", "foreach", "apex"),
+    "parallel.data_parallel": ("ddp", "fsdp"),
 }
 # precision.fp8's choices, checked when it is set (precision=fp8).
 FP8_CHOICES = {
@@ -374,6 +375,37 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
                               f"but {what} = {size}: change the model shape or use precision=bf16")
 
 
+FSDP_SCHEDULES = ("1f1b",)
+# What a run with parallel.data_parallel=fsdp must set until its checkpoints are written.
+FSDP_NO_CHECKPOINTS = ("checkpoint.save_last=false", "checkpoint.every_n_steps=0", "checkpoint.load=null",
+                       "checkpoint.resume=none")
+
+
+def _check_fsdp(cfg: RunConfig, pp: int) -> None:
+    """What ``parallel.data_parallel=fsdp`` (``parallel.fsdp``) runs with, and what it does not yet."""
+    if cfg.parallel.data_parallel != "fsdp":
+        return
+    what = "parallel.data_parallel=fsdp"
+    if cfg.optim.distributed_optimizer:
+        raise ConfigError(f"{what} already shards the optimizer state over data-parallel ranks: set "
+                          "optim.distributed_optimizer=false (or use parallel.data_parallel=ddp for ZeRO-1)")
+    if cfg.model.arch != "gpt":
+        raise ConfigError(f"{what} runs the GPT family; model.arch={cfg.model.arch}: use parallel.data_parallel=ddp")
+    if cfg.model.transformer_impl != "local":
+        raise ConfigError(f"{what} is not supported with model.transformer_impl={cfg.model.transformer_impl}: "
+                          "use model.transformer_impl=local or parallel.data_parallel=ddp")
+    if pp > 1 and (cfg.parallel.pipeline_schedule not in FSDP_SCHEDULES or (cfg.parallel.virtual_pipeline_size or 1) > 1):
+        raise ConfigError(f"{what} runs pipeline parallelism with parallel.pipeline_schedule=1f1b and no virtual stages "
+                          f"only: set parallel.pipeline_schedule=1f1b parallel.virtual_pipeline_size=null")
+    if (pp > 1 or cfg.parallel.tensor_parallel_size > 1) and cfg.mode == "dry_run":
+        raise ConfigError(f"mode=dry_run with {what} simulates data parallelism alone (on fake tensors FSDP's first "
+                          "forward loses the embedding shard of a TP rank > 0): set parallel.tensor_parallel_size=1 "
+                          "parallel.pipeline_parallel_size=1, or parallel.data_parallel=ddp")
+    ck = cfg.checkpoint
+    if cfg.mode == "train" and (ck.save_last or ck.every_n_steps or ck.load or ck.resume != "none"):
+        raise ConfigError(f"{what} does not save or load checkpoints yet: add {' '.join(FSDP_NO_CHECKPOINTS)}")
+
+
 def _fp8_recipe(cfg: RunConfig):
     fp8 = cfg.precision.fp8
     if fp8 is None:
@@ -422,6 +454,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_recompute(cfg, layers)
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
+    _check_fsdp(cfg, pp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(

@@ -71,6 +71,12 @@ class ParallelConfig:
     layers_per_stage: Optional[List[int]] = None
     # Bucket size (in elements) of the data-parallel gradient all-reduce.
     grad_bucket_size: int = 40_000_000
+    # How data-parallel ranks share the model (docs/parallelism.md): ddp (Megatron's: every rank
+    # holds the whole model, gradients all-reduced in buckets; with optim.distributed_optimizer the
+    # main weights and Adam state are sharded, ZeRO-1) | fsdp (torch's FSDP2: parameters, gradients
+    # and Adam state all sharded over dp x cp, each transformer block all-gathered while it runs;
+    # GPT family; with pipeline parallelism the 1f1b schedule without virtual stages).
+    data_parallel: str = "ddp"
 
 
 @dataclass

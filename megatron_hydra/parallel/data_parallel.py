@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.fsdp import local_shard
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -44,10 +45,11 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The gradient of ``p`` as the buffer holds it. A 16-bit grad that autograd left in
     ``p.grad`` without the hook seeing it (a pipeline schedule that assigns weight grads by hand)
-    is folded in first, so callers always see the whole gradient."""
+    is folded in first, so callers always see the whole gradient. An FSDP parameter's gradient is
+    this rank's rows of it (``parallel.fsdp.local_shard``)."""
     buffered = getattr(p, "main_grad", None)
     if buffered is None:
-        return p.grad
+        return None if p.grad is None else local_shard(p.grad)
     if p.grad is not None and not same_memory(p.grad, buffered):
         buffered.add_(p.grad)
         p.grad = None

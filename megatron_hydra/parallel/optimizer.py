@@ -13,6 +13,11 @@ What Adam updates (the *main* parameters) depends on the run, the step around it
   backward, bucket by bucket); after the step each bucket's updated shard is all-gathered into the
   parameter buffer asynchronously, and a forward pre-hook on each module waits for the buckets of
   its own parameters, so the gather overlaps the next forward.
+- fully sharded data parallelism (``parallel.data_parallel=fsdp``, no gradient buffer): FSDP keeps
+  each parameter as this rank's rows of it (``parallel.fsdp``), in fp32 for 16-bit models, and
+  reduce-scatters the grads into the same rows. The pieces are those rows: plain tensors sharing
+  the sharded parameters' storage, so Adam updates them in place and FSDP gathers the result at
+  the next forward. Adam state covers them only, as with the distributed optimizer.
 
 One step: sequence-parallel grads summed over TP -> (fp16) unscale by the loss scale and agree over
 every rank whether any gradient overflowed, skipping the step everywhere if so -> clip by the
@@ -30,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hydra.parallel import collectives as C
-from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads
+from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, same_memory
+from megatron_hydra.parallel.fsdp import local_rows, local_shard
 from megatron_hydra.parallel.grad_clip import clip_grads, counted
 from megatron_hydra.parallel.state import ParallelState
 
@@ -88,17 +94,22 @@ class MegatronOptimizer(torch.optim.Optimizer):
     A complete ``torch.optim.Optimizer`` (its base is initialised: hooks, profiling and Lightning's
     wrappers work as on any optimizer) whose ``param_groups`` and ``state`` are the inner AdamW's
     own objects, so a change through either is seen by both; gradients are zeroed by the strategy
-    (in the buffer), not here."""
+    (in the buffer, or on the FSDP parameters), not here. ``grad_buffer=None``: ``model`` is
+    fully sharded by FSDP (``parallel.fsdp``)."""
 
-    def __init__(self, model: nn.Module, grad_buffer: GradBuffer, ps: ParallelState, *, lr: float, betas, eps: float,
-                 weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
+    def __init__(self, model: nn.Module, grad_buffer: Optional[GradBuffer], ps: ParallelState, *, lr: float, betas,
+                 eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
-        self.distributed = grad_buffer.distributed
-        self.separate = grad_buffer.separate  # 16-bit model: fp32 main copies
+        self.fsdp = grad_buffer is None
+        self.distributed = not self.fsdp and grad_buffer.distributed
+        self.separate = not self.fsdp and grad_buffer.separate  # 16-bit model: fp32 main copies
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._gathers: Dict[int, object] = {}
         self._hooks: list = []
-        self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
+        if self.fsdp:
+            self.pieces = self._fsdp_pieces(model)
+        else:
+            self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
         decay = [pc.main for pc in self.pieces if pc.param.ndim >= 2]
         no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
         self.impl = resolve_impl(impl, self.pieces[0].main.device)
@@ -118,6 +129,28 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 main = p
             pieces.append(Piece(p, 0, p.numel(), main, self.buffer.offsets[p]))
         return pieces
+
+    def _fsdp_pieces(self, model: nn.Module) -> List[Piece]:
+        """This rank's rows of every FSDP-sharded parameter, as flat ranges of the TP-local tensor."""
+        pieces = []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            rows, r0 = local_rows(p)
+            per_row = p.numel() // p.shape[0] if p.ndim and p.shape[0] else p.numel()
+            pieces.append(Piece(p, r0 * per_row, r0 * per_row + rows.numel(), nn.Parameter(rows), 0))
+        return pieces
+
+    def _attach_fsdp_grads(self) -> None:
+        """Point each piece at its parameter's current rows and reduced gradient (FSDP assigns a
+        new gradient every step; a parameter that got none steps with a zero one, as a buffered
+        gradient would)."""
+        for pc in self.pieces:
+            rows = local_shard(pc.param)
+            if not same_memory(pc.main, rows):
+                pc.main.data = rows
+            grad = pc.param.grad
+            pc.main.grad = local_shard(grad) if grad is not None else torch.zeros_like(rows)
 
     def _sharded_pieces(self, model: nn.Module) -> List[Piece]:
         buf = self.buffer
@@ -198,6 +231,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         self.finish_param_gather()
+        if self.fsdp:
+            self._attach_fsdp_grads()
         params = [pc.param for pc in self.pieces]
         grads = [pc.main.grad for pc in self.pieces]
         allreduce_sequence_parallel_grads(params, self.ps.tp_group, grads)
@@ -206,14 +241,26 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scaler.update(found_inf)
             if found_inf:  # on the grads' device, as a computed norm would be
                 self.last_grad_norm = torch.full((), float("nan"), device=grads[0].device)
+                self._release_fsdp_grads()
                 return None
+        sharded = (self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
-                                         sharded_over_dp=self.distributed and self.buffer.dp > 1)
+                                         sharded_over_dp=sharded)
         self.inner.step()
         self._write_back()
+        self._release_fsdp_grads()
         return None
 
+    def _release_fsdp_grads(self) -> None:
+        """FSDP: the gradients belong to the parameters, which drop them at the next zero_grad;
+        holding them here too would keep them alive through the next backward."""
+        if self.fsdp:
+            for pc in self.pieces:
+                pc.main.grad = None
+
     def _write_back(self) -> None:
+        if self.fsdp:  # Adam updated the sharded parameters in place; FSDP gathers them at the next forward
+            return
         if not self.distributed:
             if self.separate:
                 for pc in self.pieces:

@@ -38,6 +38,12 @@ Tied embeddings. The last stage holds its own copy of the word embedding (parame
 ``shared_embedding``); after the schedule the copies' grads are summed over the ``embedding``
 group (first + last stage, Megatron's scheme), or locally when one rank holds both (ZB-V), so the
 copies receive identical updates and stay bitwise equal.
+
+FSDP (``parallel.data_parallel=fsdp``). Every micro-batch's backward runs with FSDP's gradient
+sync off (the strategy's ``block_backward_sync``), and one reduce-scatter per chunk follows the
+schedule (``fsdp.finish_backward``); the division by the micro-batch count and the tied
+embedding's sum then act on this rank's rows of the reduced grads, which are the same rows on the
+first and last stage.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from torch.distributed.pipelining import (
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.data_parallel import main_grad
+from megatron_hydra.parallel.fsdp import finish_backward
 from megatron_hydra.parallel.pipeline_runtime import (
     HookedStage,
     check_supported,
@@ -184,6 +191,7 @@ class Pipeline:
         ``.grad`` (averaged over micro-batches, tied copies summed). Returns the mean loss.
         ``inputs`` (e.g. BERT's padding mask) reach every stage as keyword arguments, like labels."""
         loss = self._run(self._train, tokens, labels, loss_mask, True, inputs)
+        finish_backward(self.chunks)  # FSDP chunks: reduce-scatter the accumulated grads now
         with torch.no_grad():
             for chunk in self.chunks:
                 for p in chunk.parameters():

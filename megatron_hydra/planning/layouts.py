@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_hydra.config import Derived, RunConfig, bundled, derive
+from megatron_hydra.config.derive import FSDP_NO_CHECKPOINTS
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning.performance import CALIBRATED, Constants, Layout, StepTime, estimate
@@ -42,6 +43,7 @@ class Options:
     recompute: Sequence[Optional[str]] = RECOMPUTE
     sequence_parallel: Sequence[bool] = (False, True)
     distributed_optimizer: Sequence[bool] = (False, True)
+    data_parallel: Sequence[str] = ("ddp", "fsdp")
     overlap_grad_reduce: bool = True
     max_vpp: int = 8
 
@@ -58,12 +60,15 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
         for pp in (k for k in _divisors(layers) if world % (tp * k) == 0):
             dp = world // (tp * pp)
             vpps = [1] + ([v for v in _divisors(layers // pp) if 1 < v <= opts.max_vpp] if pp > 1 else [])
-            for b, vpp, rc, sp, do in itertools.product(opts.micro_batches, vpps, opts.recompute,
-                                                        opts.sequence_parallel, opts.distributed_optimizer):
-                if gbs % (b * dp) or (sp and tp == 1) or (do and dp == 1):
+            for b, vpp, rc, sp, do, mode in itertools.product(opts.micro_batches, vpps, opts.recompute,
+                                                              opts.sequence_parallel, opts.distributed_optimizer,
+                                                              opts.data_parallel):
+                fsdp = mode == "fsdp"
+                if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp == 1) or (do and fsdp)
+                        or (fsdp and vpp > 1)):  # config.derive: FSDP runs 1F1B without virtual stages
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
-                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce)
+                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
@@ -77,6 +82,8 @@ def overrides(layout: Layout) -> Tuple[str, ...]:
         out.append(f"recompute.granularity={layout.recompute}")
     if layout.distributed_optimizer:
         out.append("optim.distributed_optimizer=true")
+    if layout.fsdp:
+        out += ["parallel.data_parallel=fsdp", *FSDP_NO_CHECKPOINTS]
     return tuple(out)
 
 
@@ -92,6 +99,10 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     out.recompute.granularity = layout.recompute
     out.recompute.method, out.recompute.num_layers = "uniform", 1
     out.optim.distributed_optimizer = layout.distributed_optimizer
+    par.data_parallel = "fsdp" if layout.fsdp else "ddp"
+    if layout.fsdp:
+        ck = out.checkpoint
+        ck.save_last, ck.every_n_steps, ck.load, ck.resume = False, 0, None, "none"  # FSDP_NO_CHECKPOINTS
     out.precision.params_dtype = "bfloat16"
     tr = out.trainer
     tr.accelerator, tr.devices, tr.num_nodes = "gpu", cluster.gpus_per_node, cluster.num_nodes
@@ -143,6 +154,8 @@ def describe(layout: Layout) -> str:
         parts.append("sp")
     if layout.distributed_optimizer:
         parts.append("dist-opt")
+    if layout.fsdp:
+        parts.append("fsdp")
     return " ".join(parts)
 
 

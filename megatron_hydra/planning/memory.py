@@ -22,7 +22,8 @@ flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to
 (``parallel.data_parallel.bucket_layout``, which the plan calls with the rank's parameters in
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
 weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
-parameter tensor, are left out.)
+parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four are sharded and a
+working set of gathered blocks is added: ``planning.fsdp``.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"). Per layer and micro-batch, s = sequence, b = micro-batch, h = hidden, a = heads,
@@ -337,6 +338,7 @@ class RankMemory:
     optimizer_bytes: int
     activation_bytes: int
     pipeline_buffer_bytes: int = 0
+    gathered_bytes: int = 0  # FSDP: unsharded weights and grads while a step runs (planning.fsdp)
     # Headroom (module docstring): not in ``total_bytes``, in ``needed_bytes``.
     transient_bytes: int = 0
     context_bytes: int = 0
@@ -352,7 +354,7 @@ class RankMemory:
     @property
     def total_bytes(self) -> int:
         """The planned tensors: what the rank holds at its peak besides transients."""
-        return self.static_bytes + self.activation_bytes
+        return self.static_bytes + self.gathered_bytes + self.activation_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -382,15 +384,17 @@ class MemoryPlan:
         return self.peak.needed_bytes <= self.device_bytes
 
     def table(self) -> str:
-        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p bufs", "activations", "total", "headroom",
-                "needs")
+        gathered = any(r.gathered_bytes for r in self.ranks)  # FSDP's column
+        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p bufs", *(("gathered",) * gathered),
+                "activations", "total", "headroom", "needs")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
         unit, size = ("GiB", GIB) if self.peak.needed_bytes >= GIB else ("MiB", 2**20)
         lines = [self.title] if self.title else []
         lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>12}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
             values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.pipeline_buffer_bytes,
-                      r.activation_bytes, r.total_bytes, r.headroom_bytes, r.needed_bytes)
+                      *((r.gathered_bytes,) * gathered), r.activation_bytes, r.total_bytes, r.headroom_bytes,
+                      r.needed_bytes)
             lines.append(f"{r.position:<{width}}{_count(r.params):>12}" + "".join(f"{x / size:>12.2f}" for x in values))
         peak = self.peak
         lines += self._headroom_rows(unit, size)
@@ -475,8 +479,16 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     chunks = rank_chunks(cfg, derived, pp_rank)
     numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
     params = sum(numels)
-    padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
-    weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
+    if cfg.parallel.data_parallel == "fsdp":
+        from megatron_hydra.planning.fsdp import chunk_params, fsdp_state_bytes
+
+        held = [p for layers, pre, post in chunks for p in chunk_params(tc, layers, pre, post, derived.tp)]
+        weights, grads, main, optimizer, gathered = fsdp_state_bytes(held, tc.params_dtype, derived.dp * derived.cp,
+                                                                     derived.pp, derived.num_microbatches)
+    else:
+        gathered = 0
+        padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
+        weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
     full = activation_bytes_per_layer(**layer)
     selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
     checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
@@ -487,7 +499,7 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
     row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
-                     round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank))
+                     round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
 
@@ -517,7 +529,8 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
             f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
             f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
             f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "
-            f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}")
+            + ("FSDP" if cfg.parallel.data_parallel == "fsdp" else
+               f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}"))
 
 
 def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:

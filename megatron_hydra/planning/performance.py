@@ -83,6 +83,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    fsdp: bool = False  # parallel.data_parallel=fsdp
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
 
     # Data-parallel gradient reduction.
     dp_comm = 0.0
-    if d > 1:
+    if d > 1 and lay.fsdp:
+        dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd)
+    elif d > 1:
         params = _params_per_gpu(tc, lay)
         volume = (d - 1) / d * params * ((GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES)
         dp_comm = _ring_time(volume, _group_link(cluster, t * d), c, messages=2)
@@ -202,6 +205,21 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
                     tokens=global_batch * s)
+
+
+def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterConfig, c: Constants,
+               stage_time: float, backward_of_last: float) -> float:
+    """Exposed seconds of FSDP's traffic: every micro-batch all-gathers the rank's 16-bit weights
+    for its forward and, at pp = 1 (blocks resharded after forward), again for its backward; the
+    gathers are prefetched under the micro-batch's own compute, which hides them up to its length.
+    The fp32 gradients are reduce-scattered once, after the last micro-batch, under its backward."""
+    d = lay.dp
+    params = _params_per_gpu(tc, lay)
+    blocks = tc.num_layers / lay.pp + 1
+    gathers = 2 if lay.pp == 1 else 1
+    gather = gathers * _ring_time((d - 1) / d * params * ACT_BYTES, _group_link(cluster, lay.tp * d), c, blocks)
+    reduce = _ring_time((d - 1) / d * params * GRAD_BYTES, _group_link(cluster, lay.tp * d), c, blocks)
+    return m * max(0.0, gather - stage_time) + max(0.0, reduce - backward_of_last)
 
 
 def with_constants(eta: float, kappa: float) -> Constants:

@@ -147,6 +147,18 @@ def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
     return len(planner.create_local_plan().items)
 
 
+def _forget_meshes() -> None:
+    """Drop DTensor's cache of sharding decisions (FSDP's parameters are DTensors). It compares
+    meshes by their layout, not by their process groups, so the next simulated rank in this process
+    would get back DTensors on this rank's mesh, whose groups are gone with its process group."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ twin
+    if clear_native is not None:
+        clear_native()
+
+
 def simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     """One training step of global rank ``rank`` on the fake group and the fake GPU."""
     with warnings.catch_warnings():
@@ -179,7 +191,8 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 # were built there (``.to`` on fake parameters fails to swap them in place).
                 module._device = device
                 strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
-                                            distributed_optimizer=cfg.optim.distributed_optimizer)
+                                            distributed_optimizer=cfg.optim.distributed_optimizer,
+                                            data_parallel=cfg.parallel.data_parallel)
                 strategy.connect(module)
                 strategy._setup_model(module)
                 optimizer = module.build_optimizer(strategy.grad_buffer)
@@ -194,12 +207,15 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
                 host_peak = _device_bytes(tracker.get_tracker_snapshot("peak"), "cpu")
                 tracker.reset_peak()
-                save_items = _save_plan(module, optimizer, ps, derived)
+                # FSDP checkpoints are not written yet (config.derive refuses to train with them).
+                save_items = _save_plan(module, optimizer, ps, derived) if strategy.grad_buffer is not None else 0
                 save_peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
             optimizer.close()
-            strategy.grad_buffer.close()
+            if strategy.grad_buffer is not None:
+                strategy.grad_buffer.close()
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
     coords = coordinates(rank, ps.sizes)
     plan = rank_memory(cfg, derived, coords["pp"])
     state.pop("Total", None)
@@ -223,7 +239,8 @@ def check_runnable(cfg: RunConfig) -> None:
 
 def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = None) -> List[RankResult]:
     check_runnable(cfg)
-    ranks = list(ranks) if ranks else default_ranks(derived, cfg.optim.distributed_optimizer)
+    sharded = cfg.optim.distributed_optimizer or cfg.parallel.data_parallel == "fsdp"
+    ranks = list(ranks) if ranks else default_ranks(derived, sharded)
     bad = [r for r in ranks if not 0 <= r < derived.world_size]
     if bad:
         raise ConfigError(f"dry_run.ranks={bad} are outside the job's {derived.world_size} ranks: use 0..{derived.world_size - 1}")

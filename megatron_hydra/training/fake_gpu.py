@@ -101,6 +101,17 @@ class _DeviceModule:
     def set_rng_state(self, state, device=None) -> None:
         pass
 
+    # FSDP (parallel.data_parallel=fsdp) runs its collectives on side streams ordered by events. The
+    # stand-in computes nothing, so one stream is all it has: the host's no-op stream and event.
+    Stream = torch.cpu.Stream
+    Event = torch.cpu.Event
+
+    def current_stream(self, device=None):
+        return torch.cpu.current_stream(device)
+
+    def stream(self, stream):
+        return torch.cpu.stream(stream)
+
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     """What torch's C++ side asks of the backend: available only during a dry run."""

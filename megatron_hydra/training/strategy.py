@@ -2,8 +2,9 @@
 
 The process group already exists when Lightning starts (our launcher, torchrun or SLURM created
 it), so the strategy launches nothing and wraps nothing: it exposes the ranks to Lightning,
-attaches the data-parallel gradient buffer to the model's parameters, and completes the gradient
-reduction inside ``optimizer_step`` (so ``optimizer.step()`` in the training step always sees
+attaches the data-parallel gradient buffer to the model's parameters (or, with
+``parallel.data_parallel=fsdp``, shards the model with FSDP: ``parallel.fsdp``), and completes the
+gradient reduction inside ``optimizer_step`` (so ``optimizer.step()`` in the training step always sees
 reduced gradients; ``parallel.optimizer`` clips them and steps). How layers are sharded is not its concern: it only reads
 the tags the parallel layers put on parameters.
 """
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from pytorch_lightning.strategies import ParallelStrategy
 
+from megatron_hydra.models.transformer import Block
+from megatron_hydra.parallel import fsdp
 from megatron_hydra.parallel.data_parallel import GradBuffer
 from megatron_hydra.parallel.state import ParallelState
 
@@ -65,12 +68,15 @@ class _ProcessGroupEnvironment(ClusterEnvironment):
 
 class MegatronStrategy(ParallelStrategy):
     def __init__(self, parallel_state: ParallelState, device: torch.device, *, grad_bucket_size: int,
-                 distributed_optimizer: bool = False, local_rank: int = 0, node_rank: int = 0):
+                 distributed_optimizer: bool = False, data_parallel: str = "ddp", local_rank: int = 0,
+                 node_rank: int = 0):
         super().__init__(parallel_devices=[device],
                          cluster_environment=_ProcessGroupEnvironment(local_rank, node_rank))
         self.parallel_state = parallel_state
         self.grad_bucket_size = grad_bucket_size
         self.distributed_optimizer = distributed_optimizer
+        self.fsdp = data_parallel == "fsdp"
+        self.fsdp_chunks: list = []  # fsdp: the model chunks, each an FSDP root
         self.grad_buffer: Optional[GradBuffer] = None
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._launcher = None
@@ -93,33 +99,62 @@ class MegatronStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.fsdp:
+            self._shard(model)
+            return model
         self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_cp_group, self.grad_bucket_size,
                                       distributed=self.distributed_optimizer)
         return model
 
+    def _shard(self, module: torch.nn.Module) -> None:
+        """FSDP over the data-parallel group: each transformer block a unit, each model chunk a root.
+        With pipeline parallelism blocks stay gathered between a micro-batch's forward and backward
+        (many are in flight; gathering each twice would double the traffic)."""
+        inner = module.model
+        self.fsdp_chunks = list(inner) if isinstance(inner, torch.nn.ModuleList) else [inner]
+        blocks = [[m for m in chunk.modules() if isinstance(m, Block)] for chunk in self.fsdp_chunks]
+        dtype = next(inner.parameters()).dtype
+        fsdp.shard_chunks(self.fsdp_chunks, blocks, self.parallel_state, dtype,
+                          reshard_after_forward=self.parallel_state.pp_size == 1)
+
     # Gradients ---------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero the gradient buffer in place (the optimizer's zero_grad would drop the views)."""
+        """Zero the gradient buffer in place (the optimizer's zero_grad would drop the views); FSDP:
+        drop the sharded grads (the next reduce-scatter assigns new ones)."""
+        if self.grad_buffer is None:
+            for chunk in self.fsdp_chunks:
+                chunk.zero_grad(set_to_none=True)
+            return
         self.grad_buffer.zero()
 
     @contextmanager
     def block_backward_sync(self):
         """Backward of a micro-batch that is not the last: accumulate, do not reduce yet."""
-        self.grad_buffer.sync_enabled = False
+        if self.grad_buffer is None:
+            fsdp.set_gradient_sync(self.fsdp_chunks, False)
+        else:
+            self.grad_buffer.sync_enabled = False
         try:
             yield
         finally:
-            self.grad_buffer.sync_enabled = True
+            if self.grad_buffer is None:
+                fsdp.set_gradient_sync(self.fsdp_chunks, True)
+            else:
+                self.grad_buffer.sync_enabled = True
+
+    def _finish_reduction(self) -> None:
+        if self.grad_buffer is not None:  # FSDP finished its reduce-scatters at the end of backward
+            self.grad_buffer.finish()
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        self.grad_buffer.finish()
+        self._finish_reduction()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._read_grad_norm(optimizer)
         return out
 
     def step_optimizer(self, optimizer) -> None:
         """``optimizer_step`` without a Trainer (the dry run): reduce, then step."""
-        self.grad_buffer.finish()
+        self._finish_reduction()
         optimizer.step()
         self._read_grad_norm(optimizer)
 

@@ -149,7 +149,8 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     seed_model_parallel(seed, ps.tp_rank)
     module = LMModule(cfg, derived, ps, device)  # built and initialised on its device
     strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
-                                distributed_optimizer=cfg.optim.distributed_optimizer, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
+                                distributed_optimizer=cfg.optim.distributed_optimizer,
+                                data_parallel=cfg.parallel.data_parallel, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
     start = start_point(cfg, derived)
     train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
     checkpoints = CheckpointCallback(cfg, derived, ps, start)
