@@ -13,8 +13,7 @@ import torch
 from conftest import SMALL, compose_config, spawn_ranks
 
 STEPS = 5
-NO_CHECKPOINTS = ["checkpoint.save_last=false", "checkpoint.resume=none"]
-FSDP = ["parallel.data_parallel=fsdp", *NO_CHECKPOINTS]
+FSDP = ["parallel.data_parallel=fsdp"]
 LAYOUTS = {  # name -> (world size, overrides)
     "dp2": (2, ["trainer.devices=2"]),
     "dp4": (4, ["trainer.devices=4"]),
@@ -102,12 +101,15 @@ def test_fsdp_equals_single_process(layout, single, two_ranks, four_ranks):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_16_bit_fsdp_equals_16_bit_ddp(precision, two_ranks):
     # fp32 shards computed in 16 bits and reduced in fp32 are the ddp path's 16-bit weights with
-    # fp32 main copies and an fp32 grad buffer (fp16: the same loss scaling): the same numbers
-    # (measured: equal losses, grad norms within 1.3e-7).
+    # fp32 main copies and an fp32 grad buffer (fp16: the same loss scaling): the same losses. The
+    # grad norm sums squares over other partitions (per rank, then over ranks), and one 16-bit
+    # rounding that a last-bit difference flips moves it (a bf16 or fp16 rounding step is 2^-8 or
+    # 2^-11 of a value; measured on the norm: 1.3e-7 to 1.3e-4 depending on the initial weights). The
+    # exact equality of the two paths is the float64 tests' (1e-9).
     name = f"dp2_{precision}"
     for per_layout in two_ranks.values():
         for (loss, norm), (ref_loss, ref_norm) in zip(per_layout[name][0], per_layout[f"ddp:{name}"][0]):
-            assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6)
+            assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-3)
 
 
 def test_fsdp_dp4_holds_a_quarter_of_the_parameters(single, four_ranks):
@@ -123,7 +125,6 @@ def test_fsdp_dp4_holds_a_quarter_of_the_parameters(single, four_ranks):
     (["optim.distributed_optimizer=true"], "optim.distributed_optimizer=false"),
     (["parallel=pp2", "parallel.pipeline_schedule=zero_bubble"], "parallel.pipeline_schedule=1f1b"),
     (["model.transformer_impl=transformer_engine"], "model.transformer_impl=local"),
-    (["checkpoint.save_last=true"], "checkpoint.save_last=false"),
 ])
 def test_config_errors_are_one_line(overrides, names):
     from megatron_hydra.config import derive
@@ -156,3 +157,20 @@ def test_memory_plan_against_analytic_count(precision):
         expected = (0, 4 * s, 4 * s, 8 * s, gathered)
     assert row.params == n
     assert (row.weight_bytes, row.grad_bytes, row.main_weight_bytes, row.optimizer_bytes, row.gathered_bytes) == expected
+
+
+def test_checkpoints_move_between_fsdp_and_the_other_modes(tmp_path):
+    # Three legs of one float64 run, each resuming the last one's checkpoint in another layout:
+    # ZeRO-1 tp2 x dp2 (steps 0-2) -> FSDP dp4 (3-5) -> one process (6-8). Every rank writes and
+    # reads only its own pieces (FSDP: its rows), so the legs together equal the run in one process.
+    from conftest import assert_same_trajectory, run_training
+
+    schedule = [*SMALL, "precision=fp64", "optim.decay_steps=9"]  # the same learning rates in every leg
+    common = [*schedule, f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    whole = run_training([*schedule, "trainer.max_steps=9"], tmp_path / "whole")
+    first = run_training([*common, "trainer.max_steps=3", "trainer.devices=4", "parallel=tp2",
+                          "optim.distributed_optimizer=true"], tmp_path / "zero1")
+    second = run_training([*common, "trainer.max_steps=6", "trainer.devices=4", *FSDP], tmp_path / "fsdp")
+    third = run_training([*common, "trainer.max_steps=9"], tmp_path / "single")
+    assert [int(r["step"]) for r in second] == [3, 4, 5] and [int(r["step"]) for r in third] == [6, 7, 8]
+    assert_same_trajectory(first + second + third, whole, rel=1e-9, keys=("loss", "grad_norm"))

@@ -24,6 +24,7 @@ Two tensors need care:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -39,6 +40,7 @@ from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.fsdp import is_sharded, local_rows
 from megatron_hydra.parallel.optimizer import StatePiece
 from megatron_hydra.parallel.state import ParallelState
 
@@ -118,6 +120,13 @@ def _piece_chunks(e: Entry, place: Placement, piece: StatePiece, key: str,
     return Chunks.of(place, piece.tensors[key][lo - piece.lo:hi - piece.lo], lo - _entry_range(e)[0])
 
 
+def _held(e: Entry) -> Tuple[torch.Tensor, int]:
+    """The elements of ``e``'s TP-local tensor this rank holds, flat, and the first one's index:
+    all of it, or under FSDP its rows (``parallel.fsdp.local_rows``)."""
+    rows, r0 = local_rows(e.param)
+    return rows.detach().reshape(-1), r0 * math.prod(e.param.shape[1:])
+
+
 def _written_range(numel: int, ps: ParallelState) -> Tuple[int, int]:
     """The part of a data-parallel-replicated tensor of ``numel`` elements this rank writes."""
     group = ps.dp_cp_group
@@ -169,13 +178,18 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
         if e.copy:
             continue
         place = placement(e, ps, vocab_size)
-        written = _written_range(e.param.numel(), ps)
-        sd[f"model/{e.name}"] = Chunks.of(place, e.param.detach().reshape(-1)[written[0]:written[1]], written[0])
+        if is_sharded(e.param):  # FSDP: this rank's rows are its own to write
+            held, start = _held(e)
+            written = None
+            sd[f"model/{e.name}"] = Chunks.of(place, held, start)
+        else:
+            written = _written_range(e.param.numel(), ps)
+            sd[f"model/{e.name}"] = Chunks.of(place, e.param.detach().reshape(-1)[written[0]:written[1]], written[0])
         owned = pieces.get(e.owner, [])
         if owned:
             sd[f"optim/{e.name}/step"] = owned[0].step
         # Replicated optimizer state (not the distributed optimizer's) splits its writing as the weights do.
-        within = None if getattr(optimizer, "distributed", False) else written
+        within = None if getattr(optimizer, "distributed", False) else written  # FSDP: None too
         for key in OPTIMIZER_KEYS if optimizer is not None else ():
             parts = [_piece_chunks(e, place, piece, key, within) for piece in owned if key in piece.tensors]
             if parts:
@@ -359,13 +373,14 @@ class _Loader:
         self.again: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.first: Dict[str, torch.Tensor] = {}
 
-    def add(self, key: str, target: torch.Tensor, e: Entry) -> None:
+    def add(self, key: str, e: Entry) -> None:
         if key in self.sd:  # the tied embedding's copy: the same logical tensor again
-            self.again.append((target, self.first[key]))
+            self.again.append((_held(e)[0], self.first[key]))
             return
+        held, start = _held(e)
         if e.vocab:  # padding rows are not in the checkpoint: zero, as at initialisation
-            target.zero_()
-        self.sd[key], self.first[key] = Chunks.of(placement(e, self.ps, self.vocab_size), target), target
+            held.zero_()
+        self.sd[key], self.first[key] = Chunks.of(placement(e, self.ps, self.vocab_size), held, start), held
 
     def add_pieces(self, key: str, e: Entry, pieces: List[StatePiece], name: str) -> None:
         if key in self.sd:  # both holders of the tied embedding are never on one rank (pp > 1)
@@ -421,7 +436,11 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     loader = _Loader(ps, vocab_size)
     pieces: Dict[torch.nn.Parameter, List[StatePiece]] = {}
     steps: Dict[torch.nn.Parameter, torch.Tensor] = {}
-    main_missing = False
+    mains = _Loader(ps, vocab_size)
+    # The same on every rank (the second read is collective): the run keeps fp32 main weights
+    # apart from its 16-bit model, and the checkpoint has none (saved in fp32, or by FSDP).
+    mains_needed = (load_optimizer and getattr(optimizer, "separate", False)
+                    and not any(k.startswith("main/") for k in metadata))
     if load_optimizer and optimizer is not None:
         step_key = next(k for k in metadata if k.startswith("optim/") and k.endswith("/step"))
         pieces = _pieces_by_owner(optimizer, metadata[step_key].properties.dtype)
@@ -429,7 +448,7 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
         for e in local:
             # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
             full = e.param.dtype == torch.float32 and f"main/{e.name}" in metadata
-            loader.add(f"main/{e.name}" if full else f"model/{e.name}", e.param.detach(), e)
+            loader.add(f"main/{e.name}" if full else f"model/{e.name}", e)
             owned = pieces.get(e.owner, [])
             if not owned:
                 continue
@@ -441,13 +460,15 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
                     continue
                 if _key(e.name, key) in metadata:
                     loader.add_pieces(_key(e.name, key), e, owned, key)
-                else:  # fp32 main weights of a checkpoint saved without them: from the model's
-                    main_missing = True
+                else:  # fp32 main weights of a checkpoint saved without them: the saved weights
+                    mains.add_pieces(f"model/{e.name}", e, owned, key)
     safe_load(loader.sd, path)
     loader.finish()
+    if mains_needed:  # a second read, of the same tensors into the main weights: exact from fp32 ones
+        safe_load(mains.sd, path)
     if steps:
         optimizer.load_steps(steps)
-    if optimizer is not None and hasattr(optimizer, "reload_main_from_model") and (main_missing or not steps):
+    elif optimizer is not None and hasattr(optimizer, "reload_main_from_model"):
         optimizer.reload_main_from_model()
 
 

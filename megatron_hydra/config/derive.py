@@ -376,13 +376,10 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
 
 
 FSDP_SCHEDULES = ("1f1b",)
-# What a run with parallel.data_parallel=fsdp must set until its checkpoints are written.
-FSDP_NO_CHECKPOINTS = ("checkpoint.save_last=false", "checkpoint.every_n_steps=0", "checkpoint.load=null",
-                       "checkpoint.resume=none")
 
 
 def _check_fsdp(cfg: RunConfig, pp: int) -> None:
-    """What ``parallel.data_parallel=fsdp`` (``parallel.fsdp``) runs with, and what it does not yet."""
+    """What ``parallel.data_parallel=fsdp`` (``parallel.fsdp``) runs with."""
     if cfg.parallel.data_parallel != "fsdp":
         return
     what = "parallel.data_parallel=fsdp"
@@ -401,9 +398,6 @@ def _check_fsdp(cfg: RunConfig, pp: int) -> None:
         raise ConfigError(f"mode=dry_run with {what} simulates data parallelism alone (on fake tensors FSDP's first "
                           "forward loses the embedding shard of a TP rank > 0): set parallel.tensor_parallel_size=1 "
                           "parallel.pipeline_parallel_size=1, or parallel.data_parallel=ddp")
-    ck = cfg.checkpoint
-    if cfg.mode == "train" and (ck.save_last or ck.every_n_steps or ck.load or ck.resume != "none"):
-        raise ConfigError(f"{what} does not save or load checkpoints yet: add {' '.join(FSDP_NO_CHECKPOINTS)}")
 
 
 def _fp8_recipe(cfg: RunConfig):

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_hydra.config import Derived, RunConfig, bundled, derive
-from megatron_hydra.config.derive import FSDP_NO_CHECKPOINTS
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning.performance import CALIBRATED, Constants, Layout, StepTime, estimate
@@ -83,7 +82,7 @@ def overrides(layout: Layout) -> Tuple[str, ...]:
     if layout.distributed_optimizer:
         out.append("optim.distributed_optimizer=true")
     if layout.fsdp:
-        out += ["parallel.data_parallel=fsdp", *FSDP_NO_CHECKPOINTS]
+        out.append("parallel.data_parallel=fsdp")
     return tuple(out)
 
 
@@ -100,9 +99,6 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     out.recompute.method, out.recompute.num_layers = "uniform", 1
     out.optim.distributed_optimizer = layout.distributed_optimizer
     par.data_parallel = "fsdp" if layout.fsdp else "ddp"
-    if layout.fsdp:
-        ck = out.checkpoint
-        ck.save_last, ck.every_n_steps, ck.load, ck.resume = False, 0, None, "none"  # FSDP_NO_CHECKPOINTS
     out.precision.params_dtype = "bfloat16"
     tr = out.trainer
     tr.accelerator, tr.devices, tr.num_nodes = "gpu", cluster.gpus_per_node, cluster.num_nodes
