@@ -142,3 +142,41 @@ def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(tmp_pa
     for name, p in model.named_parameters():
         expected = saved[f"main/{name}"]
         assert torch.equal(p.detach()[:expected.shape[0]], expected), name
+
+
+def test_bf16_run_takes_its_main_weights_exactly_from_an_fp32_checkpoint(tmp_path):
+    # A checkpoint without main/ tensors (saved by an fp32 run, or by FSDP, whose sharded weights
+    # are the fp32 main weights) holds fp32 weights: a bf16 run's fp32 main weights must be those,
+    # not the bf16 rounding its model holds.
+    from megatron_hydra.checkpoint import sharded
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.data_parallel import GradBuffer
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.module import LMModule
+
+    ps = ParallelState.single()
+
+    def build(precision):
+        cfg = compose_config([*SMALL, f"precision={precision}"])
+        derived = derive(cfg)
+        module = LMModule(cfg, derived, ps)
+        buffer = GradBuffer(module.model.parameters(), None, cfg.parallel.grad_bucket_size)
+        return module, buffer, module.build_optimizer(buffer), derived.transformer.vocab_size
+
+    module, buffer, opt, vocab = build("fp32")
+    for name, p in module.model.named_parameters():
+        p.main_grad.normal_(generator=torch.Generator().manual_seed(p.numel()))
+        if name == "embedding.weight":
+            p.main_grad[vocab:] = 0  # no gradient reaches the padding rows
+    opt.step()  # weights no bf16 value equals
+    sharded.save(str(tmp_path / "step_0000001"), module.model, opt, ps, vocab, {"step": 1, "consumed_samples": 8})
+    saved = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+    module16, _, opt16, _ = build("bf16")
+    sharded.load(str(tmp_path / "step_0000001"), module16.model, opt16, ps, vocab)
+    names = {p: n for n, p in module16.model.named_parameters()}
+    assert opt16.separate
+    for pc in opt16.pieces:
+        ref = saved[names[pc.param]].reshape(-1)[pc.lo:pc.hi]
+        assert torch.equal(pc.main.detach().reshape(-1), ref), names[pc.param]
+        assert torch.equal(pc.param.detach().reshape(-1)[pc.lo:pc.hi], ref.to(torch.bfloat16))
