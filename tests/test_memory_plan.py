@@ -357,3 +357,22 @@ def test_gpu_fit_check_refuses_a_plan_that_fits_only_without_headroom():
     assert f"a device has {between:.2f} GiB" in message and "short by" in message and "try " in message
     roomy = compose_config([*GPU_RUN, f"trainer.device_memory_gb={peak.needed_bytes / GIB + 0.01}"])
     check_fits(roomy, derive(roomy))
+
+
+@pytest.mark.parametrize("overrides,share", [
+    # (weights / dp) + what the rank's optimizer holds, split over dp when replicated: N params,
+    # bf16 weights (2N), fp32 main weights (4N) and two fp32 moments (8N).
+    (["optim.distributed_optimizer=false"], lambda n, dp: (2 * n + 12 * n) / dp),
+    (["optim.distributed_optimizer=true"], lambda n, dp: 2 * n / dp + 12 * n / dp),
+    (["parallel.data_parallel=fsdp"], lambda n, dp: (4 * n + 8 * n) / dp),  # fp32 sharded weights are the mains
+])
+def test_async_save_stages_the_ranks_share_of_the_checkpoint(overrides, share):
+    from megatron_hydra.planning.memory import checkpoint_share_bytes
+
+    cfg = compose_config([*SMALL, "trainer.devices=4", "precision=bf16", "checkpoint.async_save=true", *overrides])
+    derived = derive(cfg)
+    plan = plan_memory(cfg, derived)
+    row = plan.ranks[0]
+    # Bucket padding (distributed optimizer, fsdp rows) makes a shard a little larger than 1/dp.
+    assert checkpoint_share_bytes(cfg, derived, row) == pytest.approx(share(row.params, 4), rel=0.02)
+    assert any("checkpoint.async_save" in note for note in plan.notes)

@@ -533,6 +533,17 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
                f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}"))
 
 
+def checkpoint_share_bytes(cfg: RunConfig, derived: Derived, row: RankMemory) -> int:
+    """What a rank writes to a checkpoint (``checkpoint.sharded``: its own pieces; state that
+    data-parallel ranks replicate is split over them), and so what an asynchronous save stages in
+    host memory: weights in their own dtype, fp32 main weights and Adam state."""
+    dp = derived.dp * derived.cp
+    state = row.main_weight_bytes + row.optimizer_bytes
+    if cfg.parallel.data_parallel == "fsdp":
+        return row.weight_bytes + state
+    return row.weight_bytes // dp + (state if cfg.optim.distributed_optimizer else state // dp)
+
+
 def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
     """Bytes per distinct rank position of the run ``cfg`` (module docstring)."""
     if cfg.model.arch not in PLANNED_ARCHS:
@@ -550,6 +561,11 @@ def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
             _check_pipeline(cfg, derived.pp, derived.vpp, derived.dp, derived.num_microbatches)
         except ConfigError as e:
             notes.append(f"training would refuse this layout: {e}")
+    if cfg.checkpoint.async_save:
+        staged = max(checkpoint_share_bytes(cfg, derived, r) for r in rows)
+        notes.append(f"checkpoint.async_save: a rank stages its share of a checkpoint in host memory "
+                     f"({'pinned, ' if cfg.trainer.accelerator == 'gpu' else ''}up to {staged / 2**30:.2f} GiB), "
+                     "not on the device")
     flops = model_flops_per_step(derived.transformer, cfg.data.global_batch_size)
     notes.append(f"model FLOPs per step (global batch {cfg.data.global_batch_size}): {flops:.3e}")
     return MemoryPlan(_merge(rows), device_bytes, _title(cfg, derived), source, notes)
