@@ -186,6 +186,16 @@ class CheckpointCallback(pl.Callback):
             dist.destroy_process_group(self._group)
             self._group = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Training failed (a diverged step, a worker error): a save started before the failure
+        holds good state, so it is finished rather than left half written. Lightning calls no
+        ``teardown`` hook of a callback after an exception, hence here. A failure of that save is
+        logged; the training failure is what the run reports."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            log.error("%s", e)
+
     def wait(self) -> None:
         """Until the background save in flight (if any) is on disk; its failure is raised here."""
         if self._writer is not None:
