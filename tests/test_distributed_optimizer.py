@@ -32,18 +32,11 @@ def test_losses_equal_plain_optimizer(layout, tmp_path):
     assert ours[-1]["loss"] < ours[0]["loss"]
 
 
-def _state_bytes(rank, world, distributed, dtype):
-    from conftest import compose_config
-    from megatron_hydra.config import derive
+def _one_step(cfg, derived, ps, distributed: bool):
+    """The run's module, gradient buffer and optimizer after one step on constant gradients."""
     from megatron_hydra.parallel.data_parallel import GradBuffer
-    from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
 
-    torch.set_num_threads(1)
-    prec = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
-    cfg = compose_config([*SMALL, f"trainer.devices={world}", f"precision={prec}", "parallel.grad_bucket_size=5000"])
-    derived = derive(cfg)
-    ps = ParallelState.build(dp=world)
     module = LMModule(cfg, derived, ps)
     buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size, distributed=distributed)
     opt = module.build_optimizer(buffer)
@@ -52,6 +45,18 @@ def _state_bytes(rank, world, distributed, dtype):
     buffer.finish()
     opt.step()
     opt.finish_param_gather()
+    return module, buffer, opt
+
+
+def _state_bytes(rank, world, distributed, dtype):
+    from conftest import compose_config
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    prec = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    cfg = compose_config([*SMALL, f"trainer.devices={world}", f"precision={prec}", "parallel.grad_bucket_size=5000"])
+    module, buffer, opt = _one_step(cfg, derive(cfg), ParallelState.build(dp=world), distributed)
     params = sum(p.numel() for p in module.model.parameters())
     return {"optimizer": opt.optimizer_bytes(), "main": opt.main_weight_bytes(), "params": params,
             "buckets": len(buffer.buckets)}
@@ -126,9 +131,7 @@ def _save_load_peak(rank, world, path):
     from conftest import compose_config
     from megatron_hydra.checkpoint.sharded import load, save
     from megatron_hydra.config import derive
-    from megatron_hydra.parallel.data_parallel import GradBuffer
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import LMModule
 
     torch.set_num_threads(1)
     out = {}
@@ -136,14 +139,7 @@ def _save_load_peak(rank, world, path):
         cfg = compose_config([*SMALL, *BIG, f"trainer.devices={world}", "optim.distributed_optimizer=true", *layout])
         derived = derive(cfg)
         ps = ParallelState.build(tp=derived.tp, dp=derived.dp)
-        module = LMModule(cfg, derived, ps)
-        buffer = GradBuffer(module.model.parameters(), ps.dp_cp_group, cfg.parallel.grad_bucket_size, distributed=True)
-        opt = module.build_optimizer(buffer)
-        for p in module.model.parameters():
-            p.main_grad.fill_(1e-3)
-        buffer.finish()
-        opt.step()
-        opt.finish_param_gather()
+        module, buffer, opt = _one_step(cfg, derived, ps, True)
         target = f"{path}/{name}"
         vocab = derived.transformer.vocab_size
         saving = _extra_bytes(lambda: save(target, module.model, opt, ps, vocab, {"step": 1, "consumed_samples": 0}))
