@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -62,11 +61,8 @@ def test_failing_worker_stops_the_run_quickly(tmp_path, env_no_launcher):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
-def test_torchrun_runs_launch_py_as_workers(tmp_path, env_no_launcher):
-    out = _run(["torchrun", "--standalone", "--nproc-per-node", "2", str(Path(launch_cmd()[1])),
-                "trainer.devices=2", "trainer.max_steps=3", *SMALL, f"hydra.run.dir={tmp_path}"], env_no_launcher)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(read_metrics(tmp_path)) == 3
+# launch.py run by torchrun as its workers: test_cluster_launch.py's two torchrun nodes (four
+# workers, exact against one process).
 
 
 def test_detects_torchrun_and_slurm_from_environment():
