@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_trajectory, read_metrics, run_training, spawn_ranks
+from conftest import SMALL, assert_same_trajectory, read_metrics, run_training
 from megatron_hydra.checkpoint import store
 from megatron_hydra.checkpoint.async_save import BackgroundWriter, HostStager
 from megatron_hydra.errors import CheckpointError
@@ -54,48 +54,24 @@ def test_one_save_in_flight_and_a_failure_is_raised_once_as_one_line():
 
 
 # Staging -----------------------------------------------------------------------------------------
-class Mapped:
-    """A stand-in for a state-dict value that maps its own local tensors (``map_local``)."""
+def test_staging_copies_tensors_and_chunks_into_reused_buffers():
+    from megatron_hydra.checkpoint.chunks import Chunks, Placement
 
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def map_local(self, fn):
-        return Mapped([fn(t) for t in self.tensors])
-
-
-def _stage_rank(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    plain = torch.arange(6.0).reshape(2, 3) + rank
-    local = torch.full((2, 4), float(rank))
-    sd = {"plain": plain, "sharded": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
-          "mapped": Mapped([torch.ones(3) * rank, torch.zeros(2, dtype=torch.int64)])}
-    before = {"plain": plain.clone(), "local": local.clone(), "mapped": [t.clone() for t in sd["mapped"].tensors]}
+    plain = torch.arange(6.0).reshape(2, 3)
+    local = torch.arange(12.0).reshape(3, 4)  # a TP shard, written as its rows 1..2 (a flat range)
+    sd = {"plain": plain, "chunks": Chunks.of(Placement((6, 4), (3, 4), 0, 3), local.reshape(-1)[4:], 4)}
+    before = {"plain": plain.clone(), "chunks": [t.clone() for t in sd["chunks"].local_tensors()]}
     stager = HostStager()
     staged = stager.stage(sd)
-    for t in (plain, local, *sd["mapped"].tensors):  # training goes on changing its tensors
+    for t in (plain, local):  # training goes on changing its tensors
         t.add_(100)
-    d = staged["sharded"]
-    found = {
-        "plain": torch.equal(staged["plain"], before["plain"]),
-        "dtensor": isinstance(d, DTensor) and torch.equal(d.to_local(), before["local"])
-        and d.placements == (Shard(0),) and d.shape == (2 * world, 4),
-        "mapped": isinstance(staged["mapped"], Mapped)
-        and all(torch.equal(a, b) for a, b in zip(staged["mapped"].tensors, before["mapped"])),
-    }
+    assert torch.equal(staged["plain"], before["plain"])
+    assert isinstance(staged["chunks"], Chunks)
+    assert [o for o, _ in staged["chunks"].parts] == [o for o, _ in sd["chunks"].parts] == [(4, 0)]
+    assert all(torch.equal(a, b) for a, b in zip(staged["chunks"].local_tensors(), before["chunks"]))
     again = stager.stage(sd)  # the next save (the previous one written by then) reuses the buffers
-    found["reused"] = (again["plain"].data_ptr() == staged["plain"].data_ptr()
-                       and again["sharded"].to_local().data_ptr() == d.to_local().data_ptr()
-                       and torch.equal(again["plain"], plain))
-    return found
-
-
-def test_staging_copies_tensors_dtensors_and_mapped_values_into_reused_buffers():
-    results = spawn_ranks(_stage_rank, 2)
-    assert results == {r: {"plain": True, "dtensor": True, "mapped": True, "reused": True} for r in range(2)}
+    assert again["plain"].data_ptr() == staged["plain"].data_ptr() and torch.equal(again["plain"], plain)
+    assert again["chunks"].local_tensors()[0].data_ptr() == staged["chunks"].local_tensors()[0].data_ptr()
 
 
 # Whole runs -------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ been copied away, so an asynchronous save is split in two:
   signal's save, teardown), first waits for the previous one. An exception in the thread is
   kept and raised at that wait as a one-line ``CheckpointError``: a failed save is never lost.
 
-The state dict's values are tensors, DTensors, or objects that map their local tensors themselves
-(``map_local(fn)``, a copy of the object holding ``fn`` of each local tensor); staging keeps each
-kind as it is, with host tensors inside. A SIGKILL while the thread writes leaves a ``.tmp``
+The state dict's values are tensors (step counts) and ``checkpoint.chunks.Chunks`` (everything
+else); staging keeps each as it is, with host tensors inside (``Chunks.map_local``).
+A SIGKILL while the thread writes leaves a ``.tmp``
 directory that no reader takes for a checkpoint (``store``): the previous one stays the newest.
 """
 
@@ -25,8 +25,8 @@ import threading
 from typing import Callable, Dict, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from megatron_hydra.checkpoint.chunks import Chunks
 from megatron_hydra.errors import CheckpointError
 
 
@@ -58,16 +58,7 @@ class HostStager:
         return buf
 
     def _stage_value(self, v):
-        if isinstance(v, DTensor):
-            # Built from the spec rather than ``DTensor.from_local``, which would move the host
-            # copy back onto the mesh's device (a GPU mesh).
-            return DTensor(self._copy(v.to_local()), v._spec, requires_grad=False)
-        if isinstance(v, torch.Tensor):
-            return self._copy(v)
-        if hasattr(v, "map_local"):
-            return v.map_local(self._copy)
-        raise CheckpointError(f"cannot stage a {type(v).__name__} for an asynchronous save: a state dict holds "
-                              "tensors, DTensors or objects with map_local")
+        return v.map_local(self._copy) if isinstance(v, Chunks) else self._copy(v)
 
     @torch.no_grad()
     def stage(self, sd: dict) -> dict:
