@@ -111,13 +111,14 @@ def _piece_chunks(e: Entry, place: Placement, piece: StatePiece, key: str,
                   within: Optional[Tuple[int, int]] = None) -> Chunks:
     """The part of ``piece`` (a flat range of ``e``'s owner) that is ``e``'s, and inside
     ``within`` (a range of ``e``'s tensor), as chunks."""
-    start, stop = _entry_range(e)
+    base, stop = _entry_range(e)
+    start = base
     if within is not None:
-        start, stop = start + within[0], start + within[1]
+        start, stop = base + within[0], base + within[1]
     lo, hi = max(piece.lo, start), min(piece.hi, stop)
     if lo >= hi:
         return Chunks(place.logical, [])
-    return Chunks.of(place, piece.tensors[key][lo - piece.lo:hi - piece.lo], lo - _entry_range(e)[0])
+    return Chunks.of(place, piece.tensors[key][lo - piece.lo:hi - piece.lo], lo - base)
 
 
 def _held(e: Entry) -> Tuple[torch.Tensor, int]:
