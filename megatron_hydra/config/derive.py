@@ -37,6 +37,7 @@ CHOICES = {
     "model.transformer_impl": ("local", "transformer_engine"),
     "optim.impl": ("auto", "fused", "foreach", "apex"),
     "parallel.data_parallel": ("ddp", "fsdp"),
+    "parallel.cp_comm_type": ("p2p", "a2a"),
 }
 # precision.fp8's choices, checked when it is set (precision=fp8).
 FP8_CHOICES = {
@@ -144,10 +145,6 @@ def _parallel_degrees(cfg: RunConfig) -> Tuple[int, int, int, int, int]:
     par = cfg.parallel
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
-    if cp != 1:
-        raise ConfigError(
-            f"parallel.context_parallel_size={cp}: context parallelism is not supported; set it to 1"
-        )
     model_parallel = tp * pp * cp
     if world % model_parallel:
         raise ConfigError(
@@ -375,6 +372,35 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
                               f"but {what} = {size}: change the model shape or use precision=bf16")
 
 
+def _check_context_parallel(cfg: RunConfig, tp: int, cp: int) -> None:
+    """What context parallelism (``parallel.context_parallel``) needs: each rank holds chunks ``i``
+    and ``2 cp - 1 - i`` of every sequence (then its 1/tp slice under sequence parallelism)."""
+    if cp == 1:
+        return
+    m, par = cfg.model, cfg.parallel
+    what = f"parallel.context_parallel_size={cp}"
+    if m.arch != "gpt":
+        raise ConfigError(f"{what}: model.arch={m.arch} has no context-parallel path (its attention masks are per "
+                          "sample): set parallel.context_parallel_size=1, or use the GPT family")
+    parts = 2 * cp * (tp if par.sequence_parallel else 1)
+    if m.seq_length % parts:
+        how = f"2 x cp x tp = {parts} (sequence parallelism)" if par.sequence_parallel else f"2 x cp = {parts}"
+        raise ConfigError(f"model.seq_length={m.seq_length} is not divisible by {how}, which {what} needs: "
+                          f"use a seq_length that is a multiple of {parts}")
+    if par.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
+        raise ConfigError(f"parallel.cp_comm_type=a2a splits each TP rank's {m.num_attention_heads // tp} attention "
+                          f"heads over {what}, which does not divide them: use parallel.cp_comm_type=p2p or a "
+                          f"context_parallel_size in {_divisors(m.num_attention_heads // tp)}")
+    if m.attention_dropout:
+        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with {what} (each "
+                          "rank sees its blocks of the attention matrix only): set model.attention_dropout=0")
+    for key, value, fix in (("model.transformer_impl", m.transformer_impl, "local"),
+                            ("parallel.data_parallel", par.data_parallel, "ddp")):
+        if value != fix:
+            raise ConfigError(f"{key}={value} is not supported with {what}: use {key}={fix}, or "
+                              "parallel.context_parallel_size=1")
+
+
 FSDP_SCHEDULES = ("1f1b",)
 
 
@@ -449,6 +475,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
     _check_fsdp(cfg, pp)
+    _check_context_parallel(cfg, tp, cp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
@@ -482,6 +509,8 @@ def derive(cfg: RunConfig) -> Derived:
         attention_dropout=m.attention_dropout,
         init_std=m.init_std,
         sequence_parallel=par.sequence_parallel,
+        context_parallel_size=cp,
+        cp_comm_type=par.cp_comm_type,
         params_dtype=DTYPES[cfg.precision.params_dtype],
         recompute_granularity=cfg.recompute.granularity,
         recompute_method=cfg.recompute.method,

@@ -63,7 +63,12 @@ class ParallelConfig:
     name: str = "single"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Context parallelism (docs/parallelism.md): every sequence is split over this many ranks,
+    # each holding chunks i and 2 cp - 1 - i (the causal load balanced); GPT family.
     context_parallel_size: int = 1
+    # How attention exchanges keys and values across them: p2p (ring passing, overlapped with the
+    # block computation) | a2a (Ulysses: all-to-all from sequence to heads; heads / tp divisible by cp).
+    cp_comm_type: str = "p2p"
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"

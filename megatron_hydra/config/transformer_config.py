@@ -42,6 +42,10 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     sequence_parallel: bool = False
+    # Context parallelism (parallel.context_parallel): each sequence split over this many ranks;
+    # how attention exchanges keys and values among them: p2p (ring) | a2a (Ulysses).
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     params_dtype: torch.dtype = torch.float32
     arch: str = "gpt"  # gpt | bert | t5: the family (models.archs) that reads this config
     # None -> 1/sqrt(kv_channels). T5 uses 1: its initialisation folds the scale into the weights.
