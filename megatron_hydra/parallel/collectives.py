@@ -118,3 +118,31 @@ def split(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     if world == 1:
         return tensor
     return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def ring_exchange(sends, recvs, group, kind: str = "cp_p2p") -> list:
+    """Send each tensor of ``sends`` to the next rank of the group's ring and receive ``recvs``
+    (in the same order) from the previous one, asynchronously: returns the works to wait on.
+    One batched call, so that the sends and receives of a step are issued together."""
+    world, rank = group_size(group), group_rank(group)
+    following = dist.get_global_rank(group, (rank + 1) % world)
+    preceding = dist.get_global_rank(group, (rank - 1) % world)
+    ops = [dist.P2POp(dist.isend, t, following, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, preceding, group) for t in recvs]
+    if _counter is not None:
+        for t in sends:
+            _counter.add(kind, t)
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def all_to_all(tensor: torch.Tensor, group, kind: str = "cp_a2a") -> torch.Tensor:
+    """Chunk ``j`` of ``tensor`` along dim 0 goes to rank ``j``; chunk ``j`` of the result came
+    from rank ``j``."""
+    if group_size(group) == 1:
+        return tensor
+    if _counter is not None:
+        _counter.add(kind, tensor)
+    tensor = tensor.contiguous()
+    out = torch.empty_like(tensor)
+    dist.all_to_all_single(out, tensor, group=group)
+    return out
