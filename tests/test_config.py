@@ -87,7 +87,7 @@ BAD = [
     (["trainer.num_nodes=0"], "trainer.num_nodes"),
     (["trainer.max_steps=0"], "trainer.max_steps"),
     (["parallel.tensor_parallel_size=0"], "parallel.tensor_parallel_size"),
-    (["parallel.context_parallel_size=2", "trainer.devices=2"], "parallel.context_parallel_size"),
+    (["parallel.context_parallel_size=2", "trainer.devices=3"], "trainer.devices"),
     (["trainer.devices=3", "parallel.pipeline_parallel_size=2"], "trainer.devices"),
     (["model.num_attention_heads=6", "model.hidden_size=60", "model.num_query_groups=4"], "model.num_query_groups"),
     (["model.hidden_size=250"], "model.hidden_size"),

@@ -394,11 +394,9 @@ def _check_context_parallel(cfg: RunConfig, tp: int, cp: int) -> None:
     if m.attention_dropout:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with {what} (each "
                           "rank sees its blocks of the attention matrix only): set model.attention_dropout=0")
-    for key, value, fix in (("model.transformer_impl", m.transformer_impl, "local"),
-                            ("parallel.data_parallel", par.data_parallel, "ddp")):
-        if value != fix:
-            raise ConfigError(f"{key}={value} is not supported with {what}: use {key}={fix}, or "
-                              "parallel.context_parallel_size=1")
+    if m.transformer_impl != "local":
+        raise ConfigError(f"model.transformer_impl={m.transformer_impl} is not supported with {what}: use "
+                          "model.transformer_impl=local, or parallel.context_parallel_size=1")
 
 
 FSDP_SCHEDULES = ("1f1b",)

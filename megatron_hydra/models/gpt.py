@@ -48,12 +48,14 @@ class GPTModel(nn.Module):
             if not cfg.tie_embeddings:
                 self.output_weight = sharded_param((cfg.padded_vocab_size, cfg.hidden_size), 0, ps.tp_group, **common)
 
-    def embed(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, position_offset: int = 0,
+              position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[batch, seq, hidden], or this rank's [batch, seq / tp, hidden] slice under SP.
-        ``position_offset``: the position of the first token (generation with a KV cache)."""
+        ``position_offset``: the position of the first token (generation with a KV cache), unless
+        ``position_ids`` gives every token's (context parallelism: this rank's chunks)."""
         x = self.embedding(tokens)
         if self.cfg.position_embedding == "learned":
-            x = x + self.position_embedding(x.shape[1], position_offset)
+            x = x + self.position_embedding(x.shape[1], position_offset, position_ids)
         return dropout(x, self.cfg.hidden_dropout, self.training, sharded=self.cfg.sequence_parallel)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,13 +65,17 @@ class GPTModel(nn.Module):
         return vocab_parallel_logits(self.final_norm(x), weight, self.ps.tp_group, self.cfg.sequence_parallel,
                                      self.cfg.vocab_size)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.
         On a pipeline stage without the embedding, ``tokens`` is the hidden state from the
         previous stage; on one without the head, the hidden state is returned. ``kv_cache``
-        (generation): ``tokens`` continue the sequence whose keys and values it holds."""
-        x = self.embed(tokens, 0 if kv_cache is None else kv_cache.offset) if self.pre_process else tokens
-        x = self.layers(x, kv_cache=kv_cache)
+        (generation): ``tokens`` continue the sequence whose keys and values it holds.
+        ``position_ids`` ([batch, seq]): the tokens' positions when they are not 0, 1, ... (context
+        parallelism hands each rank its chunks of the sequence, ``data.sequence_shards``)."""
+        offset = 0 if kv_cache is None else kv_cache.offset
+        x = self.embed(tokens, offset, position_ids) if self.pre_process else tokens
+        x = self.layers(x, kv_cache=kv_cache, position_ids=position_ids)
         if not self.post_process:
             return x
         logits = self.head(x)

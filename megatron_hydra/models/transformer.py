@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.parallel.context_parallel import context_parallel_attention
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers
@@ -57,10 +58,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(self.dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(self.dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""
-        s = x.shape[-2]
-        cos, sin = self.cos[offset:offset + s].to(x.dtype), self.sin[offset:offset + s].to(x.dtype)
+    def forward(self, x: torch.Tensor, offset: int = 0, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token, unless
+        ``position_ids`` ([batch, seq]) gives each token's (context parallelism: this rank's chunks)."""
+        if position_ids is not None:
+            cos, sin = self.cos[position_ids].unsqueeze(1).to(x.dtype), self.sin[position_ids].unsqueeze(1).to(x.dtype)
+        else:
+            s = x.shape[-2]
+            cos, sin = self.cos[offset:offset + s].to(x.dtype), self.sin[offset:offset + s].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -68,7 +73,9 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention with grouped-query attention, heads split across TP; causal unless
-    ``causal=False`` (BERT, T5's encoder).
+    ``causal=False`` (BERT, T5's encoder). Under context parallelism x holds this rank's chunks of
+    each sequence and the core attention exchanges keys and values over the ``cp`` group
+    (``parallel.context_parallel``).
 
     The fused QKV weight is laid out per query group as [q heads of the group, k, v], so that a
     TP rank's contiguous shard holds whole groups: the same logical tensor for every TP degree.
@@ -92,12 +99,14 @@ class Attention(nn.Module):
             self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, **common)
         self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, ps.tp_group, **common)
         self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
+        self.cp_group = ps.cp_group if cfg.context_parallel_size > 1 else None
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
-                context: Optional[torch.Tensor] = None) -> torch.Tensor:
+                context: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``kv_cache`` (generation only, ``models.kv_cache.KVCache``): x holds the tokens after
         the cached ones; their keys and values join the cache and attention covers all of them.
-        ``mask``: see ``core_attention``. ``context``: the tensor cross-attention attends to."""
+        ``mask``: see ``core_attention``. ``context``: the tensor cross-attention attends to.
+        ``position_ids`` ([batch, seq]): the positions of x's tokens, when they are not 0, 1, ..."""
         if context is not None:
             return self.proj(self._core_attention(*self._cross_qkv(x, context), mask).transpose(1, 2).flatten(2))
         qkv = self.qkv(x)  # [b, s, local_groups * (heads_per_group + 2) * d]
@@ -108,7 +117,7 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         offset = 0 if kv_cache is None else kv_cache.length(self)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            q, k = self.rotary(q, offset, position_ids), self.rotary(k, offset, position_ids)
         if kv_cache is None:
             out = self._core_attention(q, k, v, mask)
         else:
@@ -117,7 +126,12 @@ class Attention(nn.Module):
 
     def _core_attention(self, q, k, v, mask):
         """Selective recompute (Korthikanti et al. 2022) keeps only q, k, v of the core attention:
-        its [b, heads, s, s] softmax and dropout tensors are rebuilt in backward."""
+        its [b, heads, s, s] softmax and dropout tensors are rebuilt in backward. Context-parallel
+        attention keeps no such tensor (only its output and log-sum-exp), so it is never replayed:
+        that would repeat its exchange of keys and values."""
+        if self.cp_group is not None:
+            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, self.causal,
+                                              self.cfg.softmax_scale)
         if self.training and self.cfg.recompute_granularity == "selective":
             return checkpoint(self.core_attention, q, k, v, mask)
         return self.core_attention(q, k, v, mask)
@@ -131,7 +145,8 @@ class Attention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """softmax(q k^T * scale + mask) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d].
+        """softmax(q k^T * scale + mask) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d],
+        all of the sequence on this rank (generation's KV cache calls it too).
         ``mask`` (broadcast to [b, heads, s_q, s_k]): boolean (True = attend) or additive float,
         which also carries a position bias (T5); it replaces the causal mask, so a causal
         attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d)."""
@@ -200,10 +215,12 @@ class Block(nn.Module):
         return x + drop(branch(norm(x)))
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``mask``: the self-attention mask (``Attention.core_attention``); ``context`` and
-        ``context_mask``: what cross-attention attends to, and its mask."""
-        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask))
+        ``context_mask``: what cross-attention attends to, and its mask; ``position_ids``: the
+        positions of x's tokens (context parallelism), for rotary embeddings."""
+        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, position_ids=position_ids))
         if self.cross:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attention(h, mask=context_mask, context=context))
         return self._residual(x, self.norm2, self.mlp)

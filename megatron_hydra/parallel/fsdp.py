@@ -84,12 +84,12 @@ def mixed_precision(dtype: torch.dtype):
 
 def dp_mesh(ps: ParallelState):
     """The one-dimensional mesh of the data-parallel (dp x cp) group: the ``dp`` dimension of
-    ``ps.mesh`` (``config.derive`` keeps cp at 1), whose process group exists already. (A mesh
-    built anew from the group would not do in the dry run: building one computes on tensors,
-    which are fake there.)"""
-    if ps.sizes["cp"] != 1:
-        raise ValueError("FSDP shards over dp x cp; context parallelism (cp > 1) is not supported")
-    return ps.mesh["dp"]
+    ``ps.mesh``, or its ``dp`` and ``cp`` dimensions flattened into one under context parallelism
+    (cp ranks hold the same weights, so parameters shard over both). (A mesh built anew from the
+    group would not do in the dry run: building one computes on tensors, which are fake there.)"""
+    if ps.sizes["cp"] == 1:
+        return ps.mesh["dp"]
+    return ps.mesh["dp", "cp"]._flatten("dp_cp_fsdp")
 
 
 def _tags(module: nn.Module) -> dict:

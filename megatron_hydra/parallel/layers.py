@@ -160,9 +160,14 @@ class PositionEmbedding(nn.Embedding):
         replicated(self, sequence_parallel)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
-    def forward(self, length: int, offset: int = 0) -> torch.Tensor:
+    def forward(self, length: int, offset: int = 0, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[length, dim] for the ``length`` positions from ``offset`` (generation: the tokens
-        already cached), or for this rank's slice under sequence parallelism."""
+        already cached), or for this rank's slice under sequence parallelism. ``position_ids``
+        ([batch, seq], context parallelism): the positions themselves; [batch, length, dim] of
+        this rank's slice of them."""
+        if position_ids is not None:
+            start = C.group_rank(self.tp_group) * length if self.sequence_parallel else 0
+            return super().forward(position_ids[:, start:start + length])
         start = C.group_rank(self.tp_group) * length if self.sequence_parallel else offset
         return super().forward(torch.arange(start, start + length, device=self.weight.device))
 

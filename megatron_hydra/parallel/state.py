@@ -123,6 +123,10 @@ class ParallelState:
         return self.sizes["dp"]
 
     @property
+    def cp_size(self) -> int:
+        return self.sizes["cp"]
+
+    @property
     def tp_rank(self) -> int:
         return self.coord("tp")
 
@@ -135,8 +139,17 @@ class ParallelState:
         return self.coord("dp")
 
     @property
+    def cp_rank(self) -> int:
+        return self.coord("cp")
+
+    @property
     def tp_group(self):
         return self.group("tp")
+
+    @property
+    def cp_group(self):
+        """The ranks that share each sequence (context parallelism)."""
+        return self.group("cp")
 
     @property
     def pp_group(self):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.data.sequence_shards import shard_batch
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.state import ParallelState, coordinates
 from megatron_hydra.training import fake_gpu
@@ -127,12 +128,14 @@ def _memory_tracker():
     return DeviceTotals()
 
 
-def _fake_batch(cfg: RunConfig, derived: Derived) -> Dict[str, torch.Tensor]:
+def _fake_batch(cfg: RunConfig, derived: Derived, ps: ParallelState) -> Dict[str, torch.Tensor]:
     tcfg = derived.transformer
     samples = cfg.data.micro_batch_size * derived.num_microbatches
     fields = batch_fields(tcfg.arch, samples, tcfg.seq_length, tcfg.decoder_seq_length)
-    # Host tensors, as the DataLoader yields them; the strategy moves them to the device.
-    return {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in fields.items()}
+    # Host tensors, as the DataLoader yields them (this cp rank's chunks); the strategy moves them
+    # to the device.
+    batch = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in fields.items()}
+    return shard_batch(batch, ps.cp_size, ps.cp_rank)
 
 
 def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
@@ -198,7 +201,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 optimizer = module.build_optimizer(strategy.grad_buffer)
                 optimizer.init_state()  # the steady step: Adam's state exists before it starts
                 tracker.track_external(module, optimizer)
-                batch = strategy.batch_to_device(_fake_batch(cfg, derived), device)
+                batch = strategy.batch_to_device(_fake_batch(cfg, derived, ps), device)
                 syncs_before = len(check.host_syncs)
                 loss, _, skipped = module.optimizer_step_over(batch, strategy, StepThrough(optimizer, strategy), step=0)
                 module.guard.record(0, loss, strategy.last_grad_norm, skipped)  # as training_step does
@@ -219,8 +222,9 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     coords = coordinates(rank, ps.sizes)
     plan = rank_memory(cfg, derived, coords["pp"])
     state.pop("Total", None)
+    position = f"pp{coords['pp']} tp{coords['tp']} dp{coords['dp']}" + (f" cp{coords['cp']}" if derived.cp > 1 else "")
     return RankResult(
-        rank=rank, position=f"pp{coords['pp']} tp{coords['tp']} dp{coords['dp']}", seconds=time.perf_counter() - start,
+        rank=rank, position=position, seconds=time.perf_counter() - start,
         loss_dtype=str(loss.dtype).replace("torch.", ""), state_bytes=state, peak_bytes=peak.get("Total", 0),
         save_peak_bytes=save_peak.get("Total", 0), host_peak_bytes=host_peak.get("Total", 0), host_syncs=step_syncs,
         plan_static_bytes=plan.static_bytes,
@@ -249,7 +253,8 @@ def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = N
 
 def table(cfg: RunConfig, derived: Derived, results: List[RankResult]) -> str:
     """Measured bytes per rank beside ``mode=plan``'s (GiB)."""
-    head = (f"dry run: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp} x dp "
+    cp = f" x cp {derived.cp}" if derived.cp > 1 else ""
+    head = (f"dry run: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp}{cp} x dp "
             f"{derived.dp}; {cfg.precision.params_dtype}; {derived.num_microbatches} micro-batches of "
             f"{cfg.data.micro_batch_size}; one step per rank on the fake process group and a fake GPU")
     cols = ("state", "plan state", "ratio", "step peak", "activations", "plan act.", "save peak", "syncs", "seconds")

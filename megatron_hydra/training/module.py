@@ -115,14 +115,21 @@ class LMModule(pl.LightningModule):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     # Loss ------------------------------------------------------------------------------------
+    def _loss(self, output: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The family's micro-batch loss (``models.archs``); under context parallelism this rank's
+        share of it, against the token count of the whole sequences."""
+        loss = ARCHS[self.derived.transformer.arch].loss
+        return loss(output, loss_mask) if self.ps.cp_size == 1 else loss(output, loss_mask, self.ps.cp_group)
+
     def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss over the micro-batch's unmasked tokens (``models.archs``: per model family)."""
         arch = ARCHS[self.derived.transformer.arch]
-        return arch.loss(self.model(batch["tokens"], **{k: batch[k] for k in arch.inputs}), batch["loss_mask"])
+        return self._loss(self.model(batch["tokens"], **{k: batch[k] for k in arch.inputs if k in batch}),
+                          batch["loss_mask"])
 
     def _stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The batch fields besides tokens, labels and loss mask that every pipeline stage reads."""
-        return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels"}
+        return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels" and k in batch}
 
     @property
     def pipeline(self) -> Pipeline:
@@ -139,7 +146,7 @@ class LMModule(pl.LightningModule):
         under sequence parallelism), the per-token loss out of the last (BERT appends a column:
         each sample's sentence-order loss)."""
         tcfg, mb = self.derived.transformer, self.cfg.data.micro_batch_size
-        seq = tcfg.seq_length
+        seq = tcfg.seq_length // self.ps.cp_size  # this rank's chunks under context parallelism
         local_seq = seq // self.ps.tp_size if tcfg.sequence_parallel else seq
         hidden = torch.empty(mb, local_seq, tcfg.hidden_size, dtype=tcfg.params_dtype, device="meta", requires_grad=True)
         tokens = torch.empty(mb, seq, dtype=torch.int64, device="meta")
@@ -149,16 +156,18 @@ class LMModule(pl.LightningModule):
 
     def _scaled_masked_mean(self, per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss function: the micro-batch loss times the loss scale (1 unless fp16)."""
-        return ARCHS[self.derived.transformer.arch].loss(per_token_loss, loss_mask) * self.loss_scale
+        return self._loss(per_token_loss, loss_mask) * self.loss_scale
 
     def _microbatches(self, batch: Dict[str, torch.Tensor]):
         n = self.derived.num_microbatches
         return [dict(zip(batch, values)) for values in zip(*(v.chunk(n) for v in batch.values()))]
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over data- and context-parallel ranks: a cp rank's loss is its share times cp
+        (``models.archs.masked_mean``), so the mean over dp x cp is the global batch's loss."""
         value = value.detach().clone()
         C.all_reduce(value, self.ps.dp_cp_group)
-        return value / self.ps.dp_size
+        return value / C.group_size(self.ps.dp_cp_group)
 
     # Training --------------------------------------------------------------------------------
     def on_train_start(self) -> None:

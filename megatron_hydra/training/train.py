@@ -18,6 +18,7 @@ from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.data.arch_datasets import dataset_factory
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
+from megatron_hydra.data.sequence_shards import ShardingCollate
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.checkpointing import CheckpointCallback
@@ -69,7 +70,8 @@ def _write_derived(run_dir: str, derived: Derived) -> None:
 
 def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consumed_samples: int = 0):
     """Train (and, when validation is on, valid) loaders yielding this DP rank's share of each
-    global batch; training starts after ``consumed_samples`` (a resumed run)."""
+    global batch (this CP rank's chunks of its sequences); training starts after
+    ``consumed_samples`` (a resumed run)."""
     tcfg = derived.transformer
     sizes = derived.split_samples
     train_ds, valid_ds, _ = build_datasets(cfg.data, seq_length=tcfg.seq_length, seed=cfg.data.seed,
@@ -82,8 +84,11 @@ def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consu
         sampler = GlobalBatchSampler(total, derived.global_batch_size, ps.dp_rank, ps.dp_size, consumed)
         # On GPU, batches land in pinned memory, so that Lightning's copy to the device
         # (``non_blocking=True`` for CUDA) overlaps with compute.
+        # Context parallelism: each cp rank keeps its chunks of every sequence (data.sequence_shards).
         return DataLoader(ds, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-                          pin_memory=cfg.trainer.accelerator == "gpu")
+                          pin_memory=cfg.trainer.accelerator == "gpu", collate_fn=collate)
+
+    collate = ShardingCollate(ps.cp_size, ps.cp_rank) if ps.cp_size > 1 else None
 
     valid = loader(valid_ds, min(len(valid_ds), sizes[1])) if valid_ds is not None and sizes[1] else None
     return loader(train_ds, sizes[0], consumed_samples), valid
@@ -139,8 +144,8 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type)
     if rank == 0:
         _write_derived(cfg.run_dir, derived)
-        log.info("layout: world=%d tp=%d pp=%d dp=%d, %d micro-batches of %d per step",
-                 derived.world_size, derived.tp, derived.pp, derived.dp, derived.num_microbatches,
+        log.info("layout: world=%d tp=%d pp=%d cp=%d dp=%d, %d micro-batches of %d per step",
+                 derived.world_size, derived.tp, derived.pp, derived.cp, derived.dp, derived.num_microbatches,
                  cfg.data.micro_batch_size)
     # Same seed on every DP replica; Megatron offsets it per pipeline stage. The default generator
     # is the same on every TP rank (replicated dropout); the TP-sharded stream differs per TP rank.
