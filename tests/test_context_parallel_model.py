@@ -5,9 +5,9 @@ Every run goes through the launch path (config -> launcher -> workers -> Lightni
 and 4, and cp combined with tensor + sequence parallelism, pipeline parallelism (1F1B), data
 parallelism with the distributed optimizer or FSDP (sharding over dp x cp), and all three (tp2 x cp2 x pp2 on 8 ranks). Between
 them the runs cover both key/value exchanges (p2p ring and a2a), rotary and learned positions,
-grouped-query attention, and selective and full recomputation. A cp2 checkpoint then loads in one
-process (the generation path) with the single run's weights, and generates its tokens. Bad
-configs fail in ``derive`` with one line.
+grouped-query attention, and selective and full recomputation. A cp2 checkpoint then resumes at
+cp1 on the single run's trajectory, and loads in one process (the generation path) with the
+single run's weights, generating its tokens. Bad configs fail in ``derive`` with one line.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ LAYOUTS = {  # name -> (model form, layout)
     "tp2_cp2_pp2": ("llama", cp(2, 8, "p2p", "parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=2",
                                 "parallel.sequence_parallel=true")),
 }
-FORMS = {"gpt": [], "llama": LLAMA}
+# The GPT-form runs also save at step 5, where a cp2 checkpoint resumes at cp1.
+FORMS = {"gpt": ["checkpoint.every_n_steps=5", "checkpoint.keep_last=0"], "llama": LLAMA}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,10 @@ def test_cp_losses_equal_single_process(single, name, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
     if name == "cp2":
         _check_loads_whole_like_the_single_run(tmp_path, single[form][1])
+        resumed = run_training([*FP64, *FORMS[form], f"checkpoint.load={tmp_path}/checkpoints/step_0000005"],
+                               tmp_path / "resumed_at_cp1")
+        assert [r["step"] for r in resumed] == list(range(5, STEPS))
+        assert_same_trajectory(resumed, reference[5:], rel=1e-9)
 
 
 def _check_loads_whole_like_the_single_run(cp_dir, single_dir):
