@@ -376,3 +376,67 @@ def test_async_save_stages_the_ranks_share_of_the_checkpoint(overrides, share):
     # Bucket padding (distributed optimizer, fsdp rows) makes a shard a little larger than 1/dp.
     assert checkpoint_share_bytes(cfg, derived, row) == pytest.approx(share(row.params, 4), rel=0.02)
     assert any("checkpoint.async_save" in note for note in plan.notes)
+
+
+# Context parallelism: s/cp tokens per rank, plus the exchange buffers -------------------------------
+
+# A long-sequence Llama-like GPT (grouped-query attention, RoPE, SwiGLU) on tp 2 x pp 2 x dp 2 with
+# sequence parallelism, hidden dropout on: every term of the plan is in play.
+CP_RUN = [*SMALL, "model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=8",
+          "model.num_query_groups=2", "model.position_embedding=rope", "model.activation=swiglu",
+          "model.hidden_dropout=0.1", "model.seq_length=16384", "precision=bf16", "parallel.tensor_parallel_size=2",
+          "parallel.pipeline_parallel_size=2", "parallel.sequence_parallel=true"]
+
+
+def _cp_plan(cp: int, *extra: str):
+    # devices = tp x pp x cp x dp: dp stays 2 whatever cp is.
+    cfg = compose_config([*CP_RUN, f"trainer.devices={2 * 2 * cp * 2}", f"parallel.context_parallel_size={cp}", *extra])
+    derived = derive(cfg)
+    assert (derived.dp, derived.cp) == (2, cp)
+    return plan_memory(cfg, derived)
+
+
+def _cp_buffers(comm: str, cp: int) -> float:
+    """Written out: micro-batch 2, seq 16384, 8 heads, 2 query groups, head size 16, tp 2, bf16."""
+    b, s, a, g, k, t, e = 2, 16384, 8, 2, 16, 2, 2
+    if comm == "p2p":  # K/V being computed on + arriving, dK/dV likewise: 4 blocks of 2 b (s/cp)(g/t) k e
+        return 4 * (2 * b * (s / cp) * (g / t) * k * e)
+    return 4 * b * (a / (t * cp)) * s * k * e  # q, k, v, out as [b, a/(t cp), s, k]
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_context_parallel_divides_activations_and_adds_its_buffers(comm):
+    base = _cp_plan(1)
+    assert all(r.cp_buffer_bytes == 0 for r in base.ranks)
+    for cp in (2, 4):
+        plan = _cp_plan(cp, f"parallel.cp_comm_type={comm}")
+        assert len(plan.ranks) == len(base.ranks) == 2
+        for row, ref in zip(plan.ranks, base.ranks):
+            assert row.activation_bytes == pytest.approx(ref.activation_bytes / cp, abs=1), (cp, row.position)
+            assert row.cp_buffer_bytes == _cp_buffers(comm, cp)
+            assert row.total_bytes == row.static_bytes + row.activation_bytes + row.cp_buffer_bytes
+            # Parameters and their state are not split by cp (dp fixed, no distributed optimizer).
+            for key in ("params", "weight_bytes", "grad_bytes", "main_weight_bytes", "optimizer_bytes"):
+                assert getattr(row, key) == getattr(ref, key), key
+            # Stage-to-stage buffers: n micro-batches x [b, s/(cp t), h] bf16, one direction per rank here.
+            assert row.pipeline_buffer_bytes == 2 * 2 * (16384 // (cp * 2)) * 128 * 2
+        # The loss's transient on the last stage: (v + 4) b (s/cp) V/t with V = 512 padded for tp 2.
+        assert plan.ranks[1].transient_bytes == (2 + 4) * 2 * (16384 // cp) * 512 // 2
+        table = plan.table()
+        assert f"x dp 2 x cp {cp} ({comm})" in table.splitlines()[0] and "cp bufs" in table
+
+
+def test_context_parallel_ranks_shard_the_distributed_optimizer():
+    # Gradients are reduced over dp x cp, and the distributed optimizer shards over the same ranks.
+    for cp in (1, 2, 4):
+        row = _cp_plan(cp, "optim.distributed_optimizer=true").ranks[0]
+        assert row.optimizer_bytes == 2 * 4 * -(-row.params // (2 * cp))  # 2 x ceil(N / (dp cp)) x 4 bytes
+
+
+def test_fit_check_suggests_context_parallelism_for_long_sequences_only():
+    from megatron_hydra.planning.fit import _candidates
+
+    long = compose_config([*CP_RUN, "trainer.devices=8"])
+    assert "parallel.context_parallel_size=2" in [name for name, _ in _candidates(long, derive(long))]
+    short = compose_config([*SMALL, "trainer.devices=4"])
+    assert not any("context_parallel" in name for name, _ in _candidates(short, derive(short)))

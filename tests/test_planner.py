@@ -149,3 +149,139 @@ def test_fsdp_layouts_are_searched_and_their_commands_derive():
     assert estimate(tc, 256, small, cfg.cluster).dp_comm > estimate(tc, 256, dataclasses.replace(small, fsdp=False),
                                                                      cfg.cluster).dp_comm
     assert estimate(tc, 256, large, cfg.cluster).dp_comm == 0.0
+
+
+# Context parallelism ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return compose_config(["cluster=h100_80g_x1024"]).cluster
+
+
+def _llama_long():
+    """Llama 3 8B's shape at 128k tokens (bf16, the performance model's view)."""
+    from megatron_hydra.config.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                             kv_channels=128, ffn_hidden_size=14336, seq_length=131072, max_position_embeddings=131072,
+                             vocab_size=128256, padded_vocab_size=128256, activation="swiglu", position_embedding="rope")
+
+
+def _transfer(nbytes: float, gb_per_s: float, c: Constants = CALIBRATED) -> float:
+    return nbytes / (gb_per_s * 1e9 * c.link_efficiency) + c.latency_s
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_more_context_parallelism_never_more_compute_per_gpu(h100, recompute):
+    tc = _llama_long()
+    # dp fixed: each GPU runs 1/cp of every micro-batch's tokens, so 1/cp of the compute.
+    base = estimate(tc, 16, Layout(tp=8, pp=1, dp=2, micro_batch=1, recompute=recompute), h100)
+    previous = base.compute
+    for cp in (2, 4, 8, 16):
+        step = estimate(tc, 16, Layout(tp=8, pp=1, dp=2, micro_batch=1, recompute=recompute, cp=cp), h100)
+        assert step.compute == pytest.approx(base.compute / cp, rel=1e-12)
+        assert step.compute <= previous and step.gpus == 8 * 2 * cp
+        previous = step.compute
+    # World fixed (64 GPUs): cp takes GPUs from dp; the compute per GPU does not grow.
+    fixed = [estimate(tc, 16, Layout(tp=8, pp=1, dp=8 // cp, micro_batch=1, recompute=recompute, cp=cp), h100).compute
+             for cp in (1, 2, 4, 8)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(fixed, fixed[1:]))
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 8), (8, 2), (8, 8), (2, 16)])
+def test_ring_attention_exposes_at_most_its_raw_time(h100, tp, cp):
+    tc = _llama_long()
+    lay = Layout(tp=tp, pp=2, dp=1, micro_batch=1, vpp=2, cp=cp)
+    step = estimate(tc, 8, lay, h100)
+    # Written out: K and V of s/cp tokens, g/t groups, head size 128, bf16; NVLink if t cp fits a node.
+    kv = 2 * 1 * (131072 / cp) * (8 / tp) * 128 * 2
+    link = h100.nvlink_gb_per_s if tp * cp <= 8 else h100.ib_gb_per_s
+    per_layer_raw = (cp - 1) * _transfer(kv, link) + (cp - 1) * 2 * _transfer(kv, link) + _transfer(kv, link)
+    runs = 8 + (2 - 1) / 2  # (m + (p-1)/v) micro-batch slots on the critical path
+    raw = runs * 16 * per_layer_raw  # 16 layers per stage
+    last_hop = runs * 16 * _transfer(kv, link)  # the dK/dV accumulators' hop home is never hidden
+    assert last_hop <= step.cp_comm < raw
+    # At 128k tokens every exchange hides behind its block's attention: only the last hop shows.
+    assert step.cp_comm == pytest.approx(last_hop, rel=1e-12)
+
+
+def test_ring_step_formula():
+    from megatron_hydra.planning.context_parallel import ring_seconds
+
+    # Communication shorter than a block's attention: only the last dK/dV hop shows.
+    assert ring_seconds(4, 1.0, 3.0, replays=0) == (3 * 1.0 + 3 * 2.0 + 1.0, 1.0)
+    # Longer: each forward step shows 2 - 1.5, each backward step 4 - 3, plus the hop.
+    assert ring_seconds(4, 2.0, 1.5, replays=0) == (3 * 2 + 3 * 4 + 2, 3 * 0.5 + 3 * 1.0 + 2)
+    # A recomputed forward runs the ring again.
+    assert ring_seconds(4, 2.0, 1.5, replays=1) == (2 * 3 * 2 + 3 * 4 + 2, 2 * 3 * 0.5 + 3 * 1.0 + 2)
+    assert ring_seconds(1, 2.0, 1.5, replays=1) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 4), (4, 2), (2, 8), (1, 16)])
+def test_ulysses_volume_and_time(h100, tp, cp):
+    from megatron_hydra.planning.context_parallel import a2a_bytes_per_gpu, a2a_tensor_bytes
+
+    tc = _llama_long()
+    local = 1 * (131072 / cp) * (32 / tp) * 128 * 2  # [b, a/t, s/cp, k] in bf16
+    assert a2a_tensor_bytes(1, 131072, cp, 32, 128, tp, 2) == local
+    assert a2a_bytes_per_gpu(cp, local) == 4 * (cp - 1) / cp * local
+    step = estimate(tc, 8, Layout(tp=tp, pp=1, dp=1, micro_batch=1, cp=cp, cp_comm="a2a"), h100)
+    link = h100.nvlink_gb_per_s if tp * cp <= 8 else h100.ib_gb_per_s
+    # 4 all-to-alls forward, 4 backward, none hidden; 32 layers, 8 micro-batches, no pipeline.
+    assert step.cp_comm == pytest.approx(8 * 32 * 8 * _transfer((cp - 1) / cp * local, link), rel=1e-12)
+
+
+def test_gradients_are_reduced_over_dp_times_cp(h100):
+    tc = _llama_long()
+    lay = Layout(tp=8, pp=1, dp=1, micro_batch=1, cp=2, overlap_grad_reduce=False)
+    params = (32 * (4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336) + 128256 * 4096) / 8
+    # dp = 1 but 2 CP ranks hold the same weights: a 2-rank ring all-reduce of fp32 grads over 16 ranks' span (IB).
+    expected = (2 - 1) / 2 * params * 2 * 4 / (h100.ib_gb_per_s * 1e9 * 0.75) + 2 * CALIBRATED.latency_s
+    assert estimate(tc, 8, lay, h100).dp_comm == pytest.approx(expected, rel=1e-12)
+    assert estimate(tc, 8, dataclasses.replace(lay, cp=1), h100).dp_comm == 0.0
+
+
+def test_context_parallelism_is_searched_for_long_sequences_only():
+    from megatron_hydra.planning.layouts import overrides
+
+    short = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
+    assert {lay.cp for lay in layouts(short, short.cluster)} == {1}
+    long = compose_config(["model=llama3_8b", "model.seq_length=16384", "cluster=h100_80g_x1024", "cluster.num_nodes=2",
+                           "data.global_batch_size=16"])
+    opts = Options(micro_batches=(1,), recompute=(None,), distributed_optimizer=(False,), data_parallel=("ddp",))
+    found = list(layouts(long, long.cluster, opts))
+    assert {lay.cp for lay in found} == {1, 2, 4, 8, 16}
+    a2a = next(lay for lay in found if lay.cp == 4 and lay.cp_comm == "a2a")
+    assert {"parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a"} <= set(overrides(a2a))
+    for lay in found:  # every layout the enumeration yields for cp > 1 derives as that layout
+        if lay.cp > 1:
+            derived = derive(layout_config(long, long.cluster, lay))
+            assert (derived.cp, derived.transformer.cp_comm_type, derived.dp) == (lay.cp, lay.cp_comm, lay.dp)
+
+
+def _derives(cfg) -> bool:
+    try:
+        derive(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_llama3_8b_at_128k_tokens_plans_context_parallelism():
+    base = ["model=llama3_8b", "model.seq_length=131072", "data.global_batch_size=16"]
+    cfg = compose_config([*base, "cluster=h100_80g_x1024", "cluster.num_nodes=8"])
+    opts = Options(micro_batches=(1,), recompute=(None, "selective", "full"), sequence_parallel=(True,),
+                   distributed_optimizer=(True,), data_parallel=("ddp",), max_vpp=1, cp_comm_types=("p2p",))
+    found = plan_layouts(cfg, cfg.cluster, opts)
+    top = found[0]
+    assert top.layout.cp > 1 and top.layout.recompute is None
+    # Without context parallelism a rank holds all 128k tokens: only full recompute fits, and it is slower.
+    without = [c for c in found if c.layout.cp == 1]
+    assert without and all(c.layout.recompute == "full" for c in without)
+    assert any(_derives(layout_config(cfg, cfg.cluster, lay)) for lay in layouts(cfg, cfg.cluster, opts)
+               if lay.cp == 1 and lay.recompute != "full")  # valid layouts, rejected by the memory plan
+    assert all(c.step.total > top.step.total for c in without)
+    words = [*base, "precision=bf16", "trainer=gpu", "trainer.devices=8", "trainer.num_nodes=8", *top.overrides]
+    derived = derive(compose_config(words))
+    assert (derived.world_size, derived.cp, derived.tp, derived.dp) == (64, top.layout.cp, top.layout.tp, top.layout.dp)

@@ -9,8 +9,10 @@ fragmentation; ``planning.memory``), so a run that fits only without headroom is
 attention, a few percent of the FLOPs), the distributed optimizer (same communication volume as
 the all-reduce), sequence parallelism (no extra communication), full recompute (one more forward,
 about a third more compute), a smaller micro-batch (less arithmetic intensity), then more tensor or
-pipeline parallelism (more communication, fewer data-parallel replicas). Each candidate is derived
-and planned like the run itself; those that fit are named, else the largest savings.
+pipeline parallelism (more communication, fewer data-parallel replicas), and for long sequences
+(``planning.context_parallel.LONG_SEQUENCE`` tokens or more) twice the context parallelism (each
+rank holds half as many tokens). Each candidate is derived and planned like the run itself; those
+that fit are named, else the largest savings.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable, Iterator, List, Tuple
 from megatron_hydra.config.derive import Derived, derive
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.errors import ConfigError
+from megatron_hydra.planning.context_parallel import LONG_SEQUENCE
 from megatron_hydra.planning.memory import GIB, PLANNED_ARCHS, MemoryPlan, plan_memory
 
 
@@ -45,6 +48,8 @@ def _candidates(cfg: RunConfig, derived: Derived) -> Iterator[Tuple[str, Callabl
         yield f"data.micro_batch_size={smaller}", _set("data.micro_batch_size", smaller)
     yield f"parallel.tensor_parallel_size={2 * derived.tp}", _set("parallel.tensor_parallel_size", 2 * derived.tp)
     yield f"parallel.pipeline_parallel_size={2 * derived.pp}", _set("parallel.pipeline_parallel_size", 2 * derived.pp)
+    if cfg.model.seq_length >= LONG_SEQUENCE:
+        yield f"parallel.context_parallel_size={2 * derived.cp}", _set("parallel.context_parallel_size", 2 * derived.cp)
 
 
 def _try(cfg: RunConfig, change: Callable[[RunConfig], None]):

@@ -3,10 +3,13 @@
 Enumerate every layout the config validation accepts on all of the cluster's GPUs: tensor
 parallel within a node (``tp`` divides the GPUs per node), pipeline stages, virtual stages
 (interleaved 1F1B), micro-batch size, activation recompute (none, selective, full), sequence
-parallelism and the distributed optimizer; data parallelism takes the remaining GPUs. A layout is
-kept only if ``derive`` accepts it and the memory plan (``planning.memory.plan_memory``, the same
-plan ``mode=plan`` prints) fits the GPU; the survivors are ranked by the step time of
-``planning.performance`` and the best are printed with the command that runs each.
+parallelism and the distributed optimizer, and for long sequences (``model.seq_length`` of
+``Options.cp_min_seq_length`` or more) context parallelism: powers of two from 2 up to
+``Options.max_cp``, ring (p2p) or Ulysses (a2a) exchanges; data parallelism takes the remaining
+GPUs. A layout is kept only if ``derive`` accepts it and the memory plan
+(``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
+are ranked by the step time of ``planning.performance`` and the best are printed with the command
+that runs each.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 from megatron_hydra.config import Derived, RunConfig, bundled, derive
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.errors import ConfigError
+from megatron_hydra.planning.context_parallel import LONG_SEQUENCE
 from megatron_hydra.planning.performance import CALIBRATED, Constants, Layout, StepTime, estimate
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -45,34 +49,61 @@ class Options:
     data_parallel: Sequence[str] = ("ddp", "fsdp")
     overlap_grad_reduce: bool = True
     max_vpp: int = 8
+    cp_min_seq_length: int = LONG_SEQUENCE
+    max_cp: int = 32
+    cp_comm_types: Sequence[str] = ("p2p", "a2a")
 
 
 def _divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _context_parallel(cfg: RunConfig, world: int, opts: Options) -> List[Tuple[int, str]]:
+    """(cp, comm type) pairs worth checking: none below ``opts.cp_min_seq_length``; else powers of
+    two whose 2 cp chunks divide the sequence (``derive``: load balancing) and the GPUs."""
+    out = [(1, "p2p")]
+    m = cfg.model
+    if m.seq_length < opts.cp_min_seq_length or m.arch != "gpt" or m.attention_dropout:
+        return out  # config.derive: context parallelism is GPT-only, without attention dropout
+    cp = 2
+    while cp <= opts.max_cp and m.seq_length % (2 * cp) == 0 and world % cp == 0:
+        out += [(cp, comm) for comm in opts.cp_comm_types]
+        cp *= 2
+    return out
+
+
 def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -> Iterator[Layout]:
     """Every layout shape worth checking; ``derive`` rejects the ones the model cannot take."""
     world = cluster.gpus_per_node * cluster.num_nodes
     layers, gbs = cfg.model.num_layers, cfg.data.global_batch_size
-    for tp in _divisors(cluster.gpus_per_node):
-        for pp in (k for k in _divisors(layers) if world % (tp * k) == 0):
-            dp = world // (tp * pp)
+    seq, heads = cfg.model.seq_length, cfg.model.num_attention_heads
+    cps = _context_parallel(cfg, world, opts)
+    for tp, (cp, comm) in itertools.product(_divisors(cluster.gpus_per_node), cps):
+        if comm == "a2a" and (heads // tp) % cp:
+            continue  # config.derive: Ulysses splits each TP rank's heads over cp
+        for pp in (k for k in _divisors(layers) if world % (tp * cp * k) == 0):
+            dp = world // (tp * cp * pp)
             vpps = [1] + ([v for v in _divisors(layers // pp) if 1 < v <= opts.max_vpp] if pp > 1 else [])
             for b, vpp, rc, sp, do, mode in itertools.product(opts.micro_batches, vpps, opts.recompute,
                                                               opts.sequence_parallel, opts.distributed_optimizer,
                                                               opts.data_parallel):
                 fsdp = mode == "fsdp"
-                if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp == 1) or (do and fsdp)
-                        or (fsdp and vpp > 1)):  # config.derive: FSDP runs 1F1B without virtual stages
+                if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp * cp == 1) or (do and fsdp)
+                        or (fsdp and (vpp > 1 or cp > 1))  # config.derive: FSDP runs 1F1B, without CP
+                        or (sp and cp > 1 and seq % (2 * cp * tp))):  # and CP's chunks split over tp
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
-                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp)
+                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
+                             cp=cp, cp_comm=comm)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
     out = [f"parallel.tensor_parallel_size={layout.tp}", f"parallel.pipeline_parallel_size={layout.pp}",
            f"data.micro_batch_size={layout.micro_batch}"]
+    if layout.cp > 1:
+        out.append(f"parallel.context_parallel_size={layout.cp}")
+        if layout.cp_comm != "p2p":
+            out.append(f"parallel.cp_comm_type={layout.cp_comm}")
     if layout.vpp > 1:
         out += [f"parallel.virtual_pipeline_size={layout.vpp}", "parallel.pipeline_schedule=interleaved_1f1b"]
     if layout.sequence_parallel:
@@ -90,7 +121,8 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     """``cfg`` run with ``layout`` on every GPU of ``cluster`` in bf16."""
     out = copy.deepcopy(cfg)
     par = out.parallel
-    par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size = layout.tp, layout.pp, 1
+    par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size = layout.tp, layout.pp, layout.cp
+    par.cp_comm_type = layout.cp_comm
     par.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     par.pipeline_schedule = "interleaved_1f1b" if layout.vpp > 1 else "1f1b"
     par.sequence_parallel, par.layers_per_stage = layout.sequence_parallel, None
@@ -142,7 +174,10 @@ def _command(base: Sequence[str], cand: Candidate, cluster: ClusterConfig) -> st
 
 
 def describe(layout: Layout) -> str:
-    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"dp={layout.dp}", f"mb={layout.micro_batch}"]
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}"]
+    if layout.cp > 1:
+        parts.append(f"cp={layout.cp}" + ("" if layout.cp_comm == "p2p" else f" {layout.cp_comm}"))
+    parts += [f"dp={layout.dp}", f"mb={layout.micro_batch}"]
     if layout.vpp > 1:
         parts.append(f"vpp={layout.vpp}")
     parts.append(f"recompute={layout.recompute or 'none'}")
@@ -164,12 +199,13 @@ def report(cfg: RunConfig, cluster: ClusterConfig, found: List[Candidate], base:
     if not found:
         lines.append("no layout fits: use more GPUs (cluster.num_nodes) or a smaller global batch / model")
         return "\n".join(lines)
-    lines.append(f"{'#':>2}  {'layout':<52} {'step s':>8} {'tokens/s':>10} {'model TFLOP/s/GPU':>18} {'hw TFLOP/s/GPU':>15}"
+    width = max(52, *(len(describe(c.layout)) for c in found[:top]))
+    lines.append(f"{'#':>2}  {'layout':<{width}} {'step s':>8} {'tokens/s':>10} {'model TFLOP/s/GPU':>18} {'hw TFLOP/s/GPU':>15}"
                  f" {'bubble':>7} {'comm':>6} {'mem GiB':>8}")
     for i, cand in enumerate(found[:top], 1):
         st = cand.step
-        comm = (st.tp_comm + st.pp_comm + st.dp_comm) / st.total
-        lines.append(f"{i:>2}  {describe(cand.layout):<52} {st.total:>8.2f} {st.tokens_per_s:>10.0f} "
+        comm = (st.tp_comm + st.pp_comm + st.dp_comm + st.cp_comm) / st.total
+        lines.append(f"{i:>2}  {describe(cand.layout):<{width}} {st.total:>8.2f} {st.tokens_per_s:>10.0f} "
                      f"{st.model_tflops_per_gpu:>18.1f} {st.tflops_per_gpu:>15.1f} {st.bubble / st.total:>7.1%} "
                      f"{comm:>6.1%} {cand.peak_bytes / 2**30:>8.1f}")
     lines.append("commands:")

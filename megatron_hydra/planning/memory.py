@@ -17,7 +17,8 @@ Model and optimizer state (the byte rules, all in ``state_bytes``). N is the ran
     optimizer      Adam's exp_avg and exp_avg_sq: 2 x N x 4 (2 x N x 8 for float64)
 
 With ``optim.distributed_optimizer`` the main weights and the optimizer state cover only this DP
-rank's shard of its flat parameter buffer: N becomes ceil(N / dp) for those two. Precisely, the
+rank's shard of its flat parameter buffer: N becomes ceil(N / dp) for those two (dp here and below
+is the dp x cp ranks that hold the same weights and reduce gradients together). Precisely, the
 flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to a multiple of dp
 (``parallel.data_parallel.bucket_layout``, which the plan calls with the rank's parameters in
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
@@ -62,6 +63,14 @@ s^2 terms; on CPU with attention dropout torch's unfused path keeps exactly the 
 Under SP our column-parallel layers keep their all-gathered input for backward (Megatron
 re-gathers it), so those two inputs count at full size.
 
+Context parallelism (c = ``parallel.context_parallel_size``; ``planning.context_parallel``): a rank
+holds s/c tokens of every sequence, so every per-token term above (and below: outside the layers,
+pipeline buffers, cross-entropy transient) takes s/c; the attention terms take the rank's s/c
+queries against all s keys (unfused: a (s/c) s b (2v + m) / t; fused: 4 a (s/c) b / t). A rank's
+activations are exactly 1/c of those at c = 1. Its exchange buffers (``cp bufs``, once per rank,
+one layer's attention at a time): p2p 4 K/V blocks of 2 b (s/c)(g/t) d v bytes; a2a 4 tensors of
+b (a/(t c)) s d v bytes.
+
 Outside the layers (Korthikanti's and Megatron's accounting): the first stage keeps the token ids
 (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
@@ -84,9 +93,10 @@ micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above
 (v bytes) and, for 16-bit logits, their fp32 copy exist at once; in backward the softmax becomes
 the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes again), so the
 transient is (v + 4) b s V/t bytes for 16-bit logits and v b s V/t otherwise (b micro-batch,
-s the full sequence, V the padded vocabulary, sharded over t). On GPUs also the CUDA context of the
-process, NCCL's buffers and the caching allocator's fragmentation. The fit check compares the
-planned bytes plus headroom with the device (``MemoryPlan.fits``).
+s the full sequence, s/c under context parallelism, V the padded vocabulary, sharded over t). On
+GPUs also the CUDA context of the process, NCCL's buffers and the caching allocator's
+fragmentation. The fit check compares the planned bytes plus headroom with the device
+(``MemoryPlan.fits``).
 """
 
 from __future__ import annotations
@@ -107,6 +117,7 @@ from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
+from megatron_hydra.planning import context_parallel
 from megatron_hydra.planning.flops import model_flops_per_step
 
 GIB = 2**30
@@ -183,7 +194,8 @@ def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool
     layers, in the model's parameter order."""
     shape_only = dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
                                      recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
-                                     transformer_impl="local", fp8=None)  # the same logical tensors
+                                     transformer_impl="local", fp8=None, context_parallel_size=1,
+                                     cp_comm_type="p2p")  # the same logical tensors
     return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only, num_layers, pre, post)]
 
 
@@ -204,27 +216,30 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
                                kv_channels: Optional[int] = None, gated: bool = False,
                                value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
                                attention_dropout: bool = True, attention: str = "unfused",
-                               sp_gathered_inputs: bool = False, rotary: bool = False) -> float:
+                               sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1) -> float:
     """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
     defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
-    keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel)."""
+    keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel). With
+    context parallelism ``cp`` the rank holds s/cp of the ``seq`` tokens, whose queries attend to
+    all ``seq`` keys (``planning.context_parallel``)."""
     s, b, h, a, t, v = seq, micro_batch, hidden, heads, tp, value_bytes
-    sbh, r = s * b * h, (1.0 / tp if sequence_parallel else 1.0)
+    q = s / cp  # the tokens (and queries) this rank holds
+    qbh, r = q * b * h, (1.0 / tp if sequence_parallel else 1.0)
     if recompute == "full":
-        return v * sbh * r
+        return v * qbh * r
     f = 4 * h if ffn_hidden is None else ffn_hidden
     g = a if query_groups is None else query_groups
     d = h // a if kv_channels is None else kv_channels
     inputs_r = 1.0 if sequence_parallel and sp_gathered_inputs else r
-    total = 2 * v * sbh * r + 2 * v * sbh * inputs_r + (2 * mask_bytes * sbh * r if hidden_dropout else 0)
-    total += v * s * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
+    total = 2 * v * qbh * r + 2 * v * qbh * inputs_r + (2 * mask_bytes * qbh * r if hidden_dropout else 0)
+    total += v * q * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
     if rotary:  # the rotated Q and K are new tensors; V, a view of the QKV output, keeps all of it alive
-        total += v * s * b * (a + g) * d / t
+        total += v * q * b * (a + g) * d / t
     if recompute == "selective":
         return total
     if attention == "fused":
-        return total + 4 * a * s * b / t
-    return total + a * s * s * b * (2 * v + mask_bytes if attention_dropout else v) / t
+        return total + 4 * a * q * b / t
+    return total + a * q * s * b * (2 * v + mask_bytes if attention_dropout else v) / t
 
 
 def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
@@ -237,13 +252,13 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
-                rotary=tc.position_embedding == "rope")
+                rotary=tc.position_embedding == "rope", cp=derived.cp)
 
 
 def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:
     """Bytes per micro-batch kept by the embedding (first stage) and by the head + loss (last)."""
     tc = derived.transformer
-    s, b, h, v, t = shape["seq"], shape["micro_batch"], shape["hidden"], shape["value_bytes"], derived.tp
+    s, b, h, v, t = shape["seq"] / derived.cp, shape["micro_batch"], shape["hidden"], shape["value_bytes"], derived.tp
     r = 1.0 / t if tc.sequence_parallel else 1.0
     embedding = 8 * s * b + (shape["mask_bytes"] * s * b * h * r if tc.hidden_dropout > 0 else 0)
     head = v * s * b * h * r + v * s * b * h + max(4, v) * s * b * tc.padded_vocab_size / t + 8 * s * b
@@ -267,12 +282,13 @@ def _chunk_activations(n_layers: int, tc: TransformerConfig, full: float, select
 def pipeline_buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int) -> int:
     """Receive buffers torch's pipeline stages keep for the whole run: one per micro-batch for the
     activation each stage receives (all but the first stage) and one per micro-batch for the
-    gradient it receives back (all but the last), each [micro_batch, seq (/tp under SP), hidden]
-    in the parameter dtype. A neighbour stage on the same rank (ZB-V's turn) hands over directly."""
+    gradient it receives back (all but the last), each [micro_batch, seq/cp (/tp under SP),
+    hidden] in the parameter dtype. A neighbour stage on the same rank (ZB-V's turn) hands over
+    directly."""
     if derived.pp == 1:
         return 0
     tc = derived.transformer
-    seq = tc.seq_length // derived.tp if tc.sequence_parallel else tc.seq_length
+    seq = tc.seq_length // derived.cp // (derived.tp if tc.sequence_parallel else 1)
     one = cfg.data.micro_batch_size * seq * tc.hidden_size * tc.params_dtype.itemsize
     schedule, last = cfg.parallel.pipeline_schedule, len(derived.layers_per_stage) - 1
     stages = stage_indices(pp_rank, derived.pp, derived.vpp, schedule)
@@ -305,7 +321,8 @@ def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int,
 def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> List[str]:
     """The process groups of more than one rank that a rank runs NCCL collectives on (each its own
     communicator, even where two groups hold the same ranks)."""
-    names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("dp_cp", derived.dp * derived.cp),
+    names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("cp", derived.cp),
+                                      ("dp_cp", derived.dp * derived.cp),
                                       ("model", derived.tp * derived.pp), ("world", derived.world_size)) if size > 1]
     if derived.pp > 1 and tied and first_or_last:
         names.append("embedding")
@@ -314,8 +331,8 @@ def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> Lis
 
 def _headroom(cfg: RunConfig, derived: Derived, row: "RankMemory", last: bool, first_or_last: bool) -> "RankMemory":
     tc = derived.transformer
-    transient = cross_entropy_transient_bytes(cfg.data.micro_batch_size, tc.seq_length, tc.padded_vocab_size,
-                                              derived.tp, tc.params_dtype) if last else 0
+    transient = cross_entropy_transient_bytes(cfg.data.micro_batch_size, tc.seq_length // derived.cp,
+                                              tc.padded_vocab_size, derived.tp, tc.params_dtype) if last else 0
     row = dataclasses.replace(row, transient_bytes=transient)
     if cfg.trainer.accelerator != "gpu":
         return row
@@ -339,6 +356,7 @@ class RankMemory:
     activation_bytes: int
     pipeline_buffer_bytes: int = 0
     gathered_bytes: int = 0  # FSDP: unsharded weights and grads while a step runs (planning.fsdp)
+    cp_buffer_bytes: int = 0  # context parallelism's exchange buffers (planning.context_parallel)
     # Headroom (module docstring): not in ``total_bytes``, in ``needed_bytes``.
     transient_bytes: int = 0
     context_bytes: int = 0
@@ -354,7 +372,7 @@ class RankMemory:
     @property
     def total_bytes(self) -> int:
         """The planned tensors: what the rank holds at its peak besides transients."""
-        return self.static_bytes + self.gathered_bytes + self.activation_bytes
+        return self.static_bytes + self.gathered_bytes + self.activation_bytes + self.cp_buffer_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -385,16 +403,17 @@ class MemoryPlan:
 
     def table(self) -> str:
         gathered = any(r.gathered_bytes for r in self.ranks)  # FSDP's column
+        cp = any(r.cp_buffer_bytes for r in self.ranks)  # context parallelism's column
         cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p bufs", *(("gathered",) * gathered),
-                "activations", "total", "headroom", "needs")
+                "activations", *(("cp bufs",) * cp), "total", "headroom", "needs")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
         unit, size = ("GiB", GIB) if self.peak.needed_bytes >= GIB else ("MiB", 2**20)
         lines = [self.title] if self.title else []
         lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>12}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
             values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.pipeline_buffer_bytes,
-                      *((r.gathered_bytes,) * gathered), r.activation_bytes, r.total_bytes, r.headroom_bytes,
-                      r.needed_bytes)
+                      *((r.gathered_bytes,) * gathered), r.activation_bytes, *((r.cp_buffer_bytes,) * cp),
+                      r.total_bytes, r.headroom_bytes, r.needed_bytes)
             lines.append(f"{r.position:<{width}}{_count(r.params):>12}" + "".join(f"{x / size:>12.2f}" for x in values))
         peak = self.peak
         lines += self._headroom_rows(unit, size)
@@ -487,7 +506,8 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
                                                                      derived.pp, derived.num_microbatches)
     else:
         gathered = 0
-        padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp, cfg.optim.distributed_optimizer)
+        padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
+                                    cfg.optim.distributed_optimizer)
         weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
     full = activation_bytes_per_layer(**layer)
     selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
@@ -499,7 +519,8 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
     row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
-                     round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered)
+                     round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered,
+                     context_parallel.rank_buffer_bytes(cfg, derived))
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
 
@@ -526,6 +547,7 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
         recompute += f" ({rc.method}, {rc.num_layers})"
     return (f"memory plan: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp}"
             f"{f' (vpp {derived.vpp})' if derived.vpp > 1 else ''} x dp {derived.dp}"
+            f"{f' x cp {derived.cp} ({cfg.parallel.cp_comm_type})' if derived.cp > 1 else ''}"
             f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
             f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
             f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "

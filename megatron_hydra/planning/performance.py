@@ -1,9 +1,13 @@
 """Step time of a parallel layout on a GPU cluster: an analytic model, calibrated once.
 
 Notation: global batch ``B``, micro-batch ``b``, sequence ``s``, hidden ``h``, heads ``a``, layers
-``l``, padded vocabulary ``V``; tensor, pipeline, virtual-pipeline and data-parallel degrees
-``t, p, v, d``; ``m = B / (b d)`` micro-batches per pipeline per step. Bytes per activation and
-weight element ``e = 2`` (bf16); gradients are reduced in fp32 (4 bytes).
+``l``, padded vocabulary ``V``; tensor, pipeline, virtual-pipeline, context-parallel and
+data-parallel degrees ``t, p, v, c, d`` (``t p c d`` GPUs); ``m = B / (b d)`` micro-batches per
+pipeline per step. Bytes per activation and weight element ``e = 2`` (bf16); gradients are reduced
+in fp32 (4 bytes). A GPU holds ``b s / c`` tokens of a micro-batch: with context parallelism every
+per-token term below (compute, memory-bound traffic, tensor- and pipeline-parallel messages) is
+``1/c`` of its value at ``c = 1``; the attention of the GPU's ``s/c`` queries runs against all
+``s`` keys, ``1/c`` of the sequence's attention too.
 
 Compute. Per micro-batch, each GPU runs ``1/t`` of its stage's matmuls: per layer and token the
 forward costs ``F_layer = 2 (h (a + 2 g) k + a k h + n_mlp h f) + 4 s a k`` FLOPs (``planning.flops``,
@@ -29,12 +33,26 @@ the slowest stage (the bubble is the ``(p-1)/v`` term, Narayanan et al. 2021 eq.
 micro-batch crosses ``2 v`` stage boundaries per GPU (activation forward, gradient backward), each a
 ``b s h e / t`` message (Megatron's scatter-gather: every tensor-parallel rank sends its slice over
 its own adapter) over InfiniBand when the neighbouring stage is on another node (stages are
-``t d`` ranks apart), else NVLink.
+``t c d`` ranks apart), else NVLink.
 
-Data parallelism: a ring all-reduce of the GPU's fp32 gradients, ``2 (d-1)/d * 4 P_gpu`` bytes per
-GPU (with the distributed optimizer a reduce-scatter of the same gradients plus an all-gather of
-bf16 weights: ``(d-1)/d * (4 + 2) P_gpu``), over NVLink when the group fits in a node, else
-InfiniBand. Overlapped, only what outlasts the backward of the last micro-batch is exposed.
+Context parallelism (``planning.context_parallel`` derives each term): per layer and micro-batch,
+with ``kv = 2 b (s/c) (g/t) k e`` bytes (one CP rank's K and V) and ``A_blk`` the forward attention
+of one K/V block (matmuls and softmax traffic of the GPU's queries against ``s/c`` keys: ``1/c^2``
+of the whole sequence's attention at this ``t``), ring attention (``p2p``) exposes
+``(c-1) max(0, T(kv) - A_blk)`` in the forward (each exchange hidden behind one block), and in the
+backward ``(c-1) max(0, 2 T(kv) - 2 A_blk) + T(kv)`` (K/V and the dK/dV accumulators travel
+together behind twice the compute, then the accumulators' last hop home); Ulysses (``a2a``)
+exposes 8 all-to-alls of ``(c-1)/c * b (s/c) (a/t) k e`` bytes per GPU (4 forward, 4 backward). A
+recomputed forward (selective or full) repeats the forward's exchanges. The CP group's members are
+``t`` ranks apart (tp innermost, then cp, dp, pp): NVLink when ``t c`` fits in a node, else
+InfiniBand. On the critical path like the tensor-parallel collectives.
+
+Data parallelism: a ring all-reduce of the GPU's fp32 gradients over the ``d c`` ranks that hold
+the same weights, ``2 (dc-1)/(dc) * 4 P_gpu`` bytes per GPU (with the distributed optimizer a
+reduce-scatter of the same gradients plus an all-gather of bf16 weights:
+``(dc-1)/(dc) * (4 + 2) P_gpu``), over NVLink when the group (``t d c`` consecutive ranks) fits in
+a node, else InfiniBand. Overlapped, only what outlasts the backward of the last micro-batch is
+exposed.
 
 Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of their rate (NCCL's
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
@@ -44,7 +62,7 @@ Calibration. ``eta`` (the achieved fraction of peak of large bf16 matmuls) and `
 times the counted element passes the memory-bound kernels really make) were fitted once, by least
 squares on the relative error of TFLOP/s per GPU, to the ten rows of Narayanan et al. 2021
 (SC21), Table 1 (``planning.sc21``), and nothing else; ``benchmarks/planner_sc21.py`` prints the
-fit's per-row error.
+fit's per-row error. Those runs had ``c = 1``: the context-parallel terms are not calibrated.
 """
 
 from __future__ import annotations
@@ -54,6 +72,7 @@ from typing import Optional
 
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning import context_parallel as cpp
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -84,6 +103,8 @@ class Layout:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     fsdp: bool = False  # parallel.data_parallel=fsdp
+    cp: int = 1  # parallel.context_parallel_size
+    cp_comm: str = "p2p"  # parallel.cp_comm_type: p2p | a2a
 
 
 @dataclass(frozen=True)
@@ -99,10 +120,11 @@ class StepTime:
     hardware_flops: float  # per step, whole cluster, recompute counted (as SC21 reports)
     gpus: int
     tokens: int
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.cp_comm
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -147,10 +169,10 @@ def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> float:
 def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: ClusterConfig,
              c: Constants = CALIBRATED) -> StepTime:
     """Seconds per step of ``lay`` (see the module docstring for every term)."""
-    t, p, d, b, v = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.vpp
+    t, p, d, b, v, cp = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.vpp, lay.cp
     s, h, a, f = tc.seq_length, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size
     m = global_batch / (b * d)
-    tokens_mb = b * s
+    tokens_mb = b * s / cp  # the tokens of a micro-batch one GPU holds
     peak, hbm = cluster.peak_tflops * 1e12 * c.eta, cluster.hbm_gb_per_s * 1e9
     dense, attn = _layer_fwd_flops_per_token(tc)
 
@@ -175,36 +197,55 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     else:
         tp_layer = 0.0
     tp_stage = layers_per_gpu * tp_layer
+    cp_stage = layers_per_gpu * cp_layer_seconds(tc, lay, cluster, c, block_attention=(mm_attn + mem_s) / cp)[1]
 
     # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
     busy = m * stage_time
     bubble = (p - 1) / v * stage_time
     if p > 1:
-        link = cluster.ib_gb_per_s if t * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
+        link = cluster.ib_gb_per_s if t * cp * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
         p2p = _ring_time(tokens_mb * h * ACT_BYTES / t, link, c)
         pp_comm = (2 * v * m + 2 * (p - 1)) * p2p
     else:
         pp_comm = 0.0
     tp_comm = (m + (p - 1) / v) * tp_stage
+    cp_comm = (m + (p - 1) / v) * cp_stage
 
-    # Data-parallel gradient reduction.
-    dp_comm = 0.0
-    if d > 1 and lay.fsdp:
+    # Data-parallel gradient reduction, over the d x cp ranks that hold the same weights.
+    dp_comm, dc = 0.0, d * cp
+    if dc > 1 and lay.fsdp:
         dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd)
-    elif d > 1:
+    elif dc > 1:
         params = _params_per_gpu(tc, lay)
-        volume = (d - 1) / d * params * ((GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES)
-        dp_comm = _ring_time(volume, _group_link(cluster, t * d), c, messages=2)
+        volume = (dc - 1) / dc * params * ((GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES)
+        dp_comm = _ring_time(volume, _group_link(cluster, t * dc), c, messages=2)
         if lay.overlap_grad_reduce:
             backward_of_last = layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd
             dp_comm = max(0.0, dp_comm - backward_of_last)
 
-    gpus = t * p * d
+    gpus = t * p * cp * d
     model_flops = 3 * global_batch * s * (tc.num_layers * (dense + attn) + 2 * h * tc.padded_vocab_size)
     recompute_flops = global_batch * s * tc.num_layers * {None: 0.0, "selective": attn, "full": dense + attn}[lay.recompute]
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
-                    tokens=global_batch * s)
+                    tokens=global_batch * s, cp_comm=cp_comm)
+
+
+def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
+                     block_attention: float) -> tuple:
+    """(raw, exposed) seconds of context parallelism's exchanges per layer and micro-batch on one
+    GPU; ``block_attention`` is the forward attention of one K/V block (module docstring)."""
+    t, cp, b, s, k = lay.tp, lay.cp, lay.micro_batch, tc.seq_length, tc.kv_channels
+    if cp == 1:
+        return 0.0, 0.0
+    link = _group_link(cluster, t * cp)
+    replays = 0 if lay.recompute is None else 1  # selective recomputes core attention: its ring too
+    if lay.cp_comm == "p2p":
+        kv = cpp.kv_block_bytes(b, s, cp, tc.num_query_groups, k, t, ACT_BYTES)
+        return cpp.ring_seconds(cp, _ring_time(kv, link, c), block_attention, replays)
+    tensor = cpp.a2a_tensor_bytes(b, s, cp, tc.num_attention_heads, k, t, ACT_BYTES)
+    seconds = cpp.a2a_seconds(cp, tensor, lambda x: _ring_time(x, link, c), replays)
+    return seconds, seconds
 
 
 def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterConfig, c: Constants,
@@ -213,12 +254,13 @@ def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterCon
     for its forward and, at pp = 1 (blocks resharded after forward), again for its backward; the
     gathers are prefetched under the micro-batch's own compute, which hides them up to its length.
     The fp32 gradients are reduce-scattered once, after the last micro-batch, under its backward."""
-    d = lay.dp
+    d = lay.dp * lay.cp
     params = _params_per_gpu(tc, lay)
     blocks = tc.num_layers / lay.pp + 1
     gathers = 2 if lay.pp == 1 else 1
-    gather = gathers * _ring_time((d - 1) / d * params * ACT_BYTES, _group_link(cluster, lay.tp * d), c, blocks)
-    reduce = _ring_time((d - 1) / d * params * GRAD_BYTES, _group_link(cluster, lay.tp * d), c, blocks)
+    link = _group_link(cluster, lay.tp * d)
+    gather = gathers * _ring_time((d - 1) / d * params * ACT_BYTES, link, c, blocks)
+    reduce = _ring_time((d - 1) / d * params * GRAD_BYTES, link, c, blocks)
     return m * max(0.0, gather - stage_time) + max(0.0, reduce - backward_of_last)
 
 
