@@ -22,6 +22,11 @@ ring neighbours had issued the step (timestamps share the host's monotonic clock
 1 - exposed transfer / exchange alone, per direction; the final hop has no compute to hide behind
 and counts as exposed. ``raw`` uses the whole wait instead. Ranks run one thread each; with more
 ranks than free cores the numbers are noisy: read cp4 from a machine with >= 4 free cores.
+
+(c) Activations of the whole model per rank at cp 1, 2, 4: one step of rank 0 of a llama3_8b job
+(one sequence of 32768 tokens, tp8 with sequence parallelism, bf16) in the dry run (fake process
+group, fake GPU; ``training.dry_run``), activations = the step's peak - the state after it,
+beside the plan's activations and its CP buffers (``planning.context_parallel``). Target: 1/cp.
 Prints, asserts nothing.
 """
 
@@ -203,9 +208,39 @@ def ring_overlap() -> None:
                       f"{100 * (1 - ms['wait'] / ms['alone']):>7.1f}%")
 
 
+# (c) Activations of the whole model per rank ---------------------------------------------------------
+MEMORY_JOB = ["model=llama3_8b", "model.seq_length=32768", "parallel=tp8", "parallel.sequence_parallel=true",
+              "trainer=gpu", "trainer.devices=8", "data=synthetic", "precision=bf16",
+              "optim.distributed_optimizer=true", "data.micro_batch_size=1", "data.global_batch_size=1"]
+
+
+def activation_memory() -> None:
+    """One step of rank 0 of the job at cp 1, 2, 4 in the dry run (fake process group, fake GPU,
+    the GPU kernels' shapes): activations = the step's peak - the state after it."""
+    from megatron_hydra.config import derive
+    from megatron_hydra.config.bundled import compose
+    from megatron_hydra.planning.context_parallel import rank_buffer_bytes
+    from megatron_hydra.training.dry_run import dry_run
+
+    print("\n(c) activations per rank, llama3_8b, one sequence of 32768 tokens, tp8 + sp, bf16, "
+          "dry run of rank 0 (GiB)")
+    print(f"{'cp':>4} {'measured':>10} {'x cp1':>8} {'1/cp':>8} {'plan act.':>10} {'cp bufs':>10}")
+    base = None
+    for cp in (1, 2, 4):
+        cfg = compose(MEMORY_JOB + [f"parallel.context_parallel_size={cp}", f"trainer.num_nodes={cp}"])
+        derived = derive(cfg)
+        (result,) = dry_run(cfg, derived, [0])
+        measured = (result.peak_bytes - result.static_bytes) / 2**30
+        base = base or measured
+        buffers = rank_buffer_bytes(cfg, derived) / 2**30
+        print(f"{cp:>4} {measured:>10.2f} {measured / base:>8.3f} {1 / cp:>8.3f} "
+              f"{result.plan_activation_bytes / 2**30:>10.2f} {buffers:>10.3f}")
+
+
 def main() -> None:
     communication_volume()
     ring_overlap()
+    activation_memory()
 
 
 if __name__ == "__main__":

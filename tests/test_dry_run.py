@@ -130,7 +130,11 @@ def test_launcher_runs_the_dry_run_before_any_gpu_check(tmp_path, capsys):
     ("model.num_query_groups=2", "model.position_embedding=rope", "model.normalization=rmsnorm",
      "model.activation=swiglu", "model.add_bias_linear=false"),  # Llama
     ("parallel=tp2", "trainer.devices=2", "parallel.sequence_parallel=true", "model.position_embedding=rope"),
-])
+    # context parallelism: the ring (with rotary positions gathered per rank, GQA, tp2 + sp) and Ulysses
+    ("parallel=tp2", "trainer.devices=4", "parallel.sequence_parallel=true", "model.position_embedding=rope",
+     "model.num_query_groups=2", "parallel.context_parallel_size=2"),
+    ("trainer.devices=2", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"),
+], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a"])
 def test_activations_per_layer_match_the_analytic_formula(form):
     """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
     plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""

@@ -404,6 +404,14 @@ def _cp_buffers(comm: str, cp: int) -> float:
     return 4 * b * (a / (t * cp)) * s * k * e  # q, k, v, out as [b, a/(t cp), s, k]
 
 
+def _cp_layer_extra(comm: str, cp: int) -> float:
+    """Per layer at cp > 1, written out (measured by the dry run, tests/test_dry_run.py): rotary
+    cos and sin gathered at the rank's positions, 2 e b (s/cp) k; under a2a also attention's
+    output in the head layout, e b (s/cp) (a/t) k."""
+    b, s, a, k, t, e = 2, 16384, 8, 16, 2, 2
+    return 2 * e * b * (s / cp) * k + (e * b * (s / cp) * (a / t) * k if comm == "a2a" else 0)
+
+
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_context_parallel_divides_activations_and_adds_its_buffers(comm):
     base = _cp_plan(1)
@@ -411,8 +419,10 @@ def test_context_parallel_divides_activations_and_adds_its_buffers(comm):
     for cp in (2, 4):
         plan = _cp_plan(cp, f"parallel.cp_comm_type={comm}")
         assert len(plan.ranks) == len(base.ranks) == 2
-        for row, ref in zip(plan.ranks, base.ranks):
-            assert row.activation_bytes == pytest.approx(ref.activation_bytes / cp, abs=1), (cp, row.position)
+        for pp_rank, (row, ref) in enumerate(zip(plan.ranks, base.ranks)):
+            # 1F1B: stage p holds pp - p micro-batches' activations of its 2 layers at its peak.
+            extra = (2 - pp_rank) * 2 * _cp_layer_extra(comm, cp)
+            assert row.activation_bytes == pytest.approx(ref.activation_bytes / cp + extra, abs=1), (cp, row.position)
             assert row.cp_buffer_bytes == _cp_buffers(comm, cp)
             assert row.total_bytes == row.static_bytes + row.activation_bytes + row.cp_buffer_bytes
             # Parameters and their state are not split by cp (dp fixed, no distributed optimizer).

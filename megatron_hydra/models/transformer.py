@@ -58,17 +58,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(self.dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(self.dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token, unless
-        ``position_ids`` ([batch, seq]) gives each token's (context parallelism: this rank's chunks)."""
+    def tables(self, length: int, dtype: torch.dtype, offset: int = 0,
+               position_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``length`` tokens from position ``offset`` ([length, head_dim], views
+        of the buffers), or for the positions ``position_ids`` ([batch, seq]; context parallelism:
+        this rank's chunks) as [batch, 1, seq, head_dim], gathered once for both q and k."""
         if position_ids is not None:
-            cos, sin = self.cos[position_ids].unsqueeze(1).to(x.dtype), self.sin[position_ids].unsqueeze(1).to(x.dtype)
-        else:
-            s = x.shape[-2]
-            cos, sin = self.cos[offset:offset + s].to(x.dtype), self.sin[offset:offset + s].to(x.dtype)
+            return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
+        return self.cos[offset:offset + length].to(dtype), self.sin[offset:offset + length].to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""
+        return self.rotate(x, *self.tables(x.shape[-2], x.dtype, offset))
 
 
 class Attention(nn.Module):
@@ -117,7 +124,8 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         offset = 0 if kv_cache is None else kv_cache.length(self)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset, position_ids), self.rotary(k, offset, position_ids)
+            cos, sin = self.rotary.tables(s, q.dtype, offset, position_ids)
+            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         if kv_cache is None:
             out = self._core_attention(q, k, v, mask)
         else:

@@ -41,7 +41,8 @@ memory-bound softmax, each already 1/c of the sequence's): 1/c^2 of the whole se
           backward: c - 1 steps moving the K/V block and the dK/dV accumulator (twice the volume)
               behind twice the compute, then one more hop home for the dK/dV accumulators:
               exposed (c - 1) max(0, 2 T(kv_block) - 2 A_blk) + T(kv_block)
-          recompute (selective or full) replays the forward, ring included.
+          full recompute replays the forward, ring included; selective recompute does not
+          replay context-parallel attention (``models.transformer.Attention``).
     a2a   4 all-to-alls forward (q, k, v in, the output back) and 4 in backward, each moving
           (c - 1)/c of a local tensor of b (s/c) (a/t) k e bytes per GPU, not overlapped; 4 more
           when recompute replays the attention.
@@ -92,6 +93,19 @@ def rank_buffer_bytes(cfg: RunConfig, derived: Derived) -> int:
     return buffer_bytes(derived.cp, tc.cp_comm_type, micro_batch=cfg.data.micro_batch_size, seq=tc.seq_length,
                         heads=tc.num_attention_heads, query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
                         tp=derived.tp, value_bytes=tc.params_dtype.itemsize)
+
+
+def layer_extra_bytes(cp: int, comm_type: str, rotary: bool, *, tokens: float, heads: int, kv_channels: int,
+                      tp: int, value_bytes: int) -> float:
+    """What one layer keeps at cp > 1 besides 1/cp of its cp = 1 activations (``tokens`` = b s/c,
+    measured by the dry run): rotary embeddings gather cos and sin at the rank's positions (at
+    cp = 1 they are views of the table), and a2a keeps attention's output in the head layout
+    besides the projection's input."""
+    if cp == 1:
+        return 0.0
+    gathered = 2 * value_bytes * tokens * kv_channels if rotary else 0.0
+    relaid = value_bytes * tokens * heads * kv_channels / tp if comm_type == "a2a" else 0.0
+    return gathered + relaid
 
 
 def a2a_bytes_per_gpu(cp: int, tensor_bytes: float) -> float:

@@ -67,7 +67,10 @@ Context parallelism (c = ``parallel.context_parallel_size``; ``planning.context_
 holds s/c tokens of every sequence, so every per-token term above (and below: outside the layers,
 pipeline buffers, cross-entropy transient) takes s/c; the attention terms take the rank's s/c
 queries against all s keys (unfused: a (s/c) s b (2v + m) / t; fused: 4 a (s/c) b / t). A rank's
-activations are exactly 1/c of those at c = 1. Its exchange buffers (``cp bufs``, once per rank,
+activations are 1/c of those at c = 1, plus two terms the dry run measures: rotary embeddings
+gather cos and sin at the rank's positions (2 v (s/c) b d, a view of the table at c = 1), and a2a
+keeps attention's output in the head layout as well (v (s/c) b a d / t). Selective recompute
+does not replay context-parallel attention, so at c > 1 it keeps the fused term. Its exchange buffers (``cp bufs``, once per rank,
 one layer's attention at a time): p2p 4 K/V blocks of 2 b (s/c)(g/t) d v bytes; a2a 4 tensors of
 b (a/(t c)) s d v bytes.
 
@@ -216,7 +219,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
                                kv_channels: Optional[int] = None, gated: bool = False,
                                value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
                                attention_dropout: bool = True, attention: str = "unfused",
-                               sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1) -> float:
+                               sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1,
+                               cp_comm: str = "p2p") -> float:
     """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
     defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
     keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel). With
@@ -235,9 +239,10 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     total += v * q * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
     if rotary:  # the rotated Q and K are new tensors; V, a view of the QKV output, keeps all of it alive
         total += v * q * b * (a + g) * d / t
-    if recompute == "selective":
+    total += context_parallel.layer_extra_bytes(cp, cp_comm, rotary, tokens=q * b, heads=a, kv_channels=d, tp=t, value_bytes=v)
+    if recompute == "selective" and cp == 1:
         return total
-    if attention == "fused":
+    if attention == "fused" or cp > 1:  # context-parallel attention is never replayed: it keeps its lse
         return total + 4 * a * q * b / t
     return total + a * q * s * b * (2 * v + mask_bytes if attention_dropout else v) / t
 
@@ -252,7 +257,7 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
-                rotary=tc.position_embedding == "rope", cp=derived.cp)
+                rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type)
 
 
 def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:

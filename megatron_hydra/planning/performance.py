@@ -43,7 +43,9 @@ of the whole sequence's attention at this ``t``), ring attention (``p2p``) expos
 backward ``(c-1) max(0, 2 T(kv) - 2 A_blk) + T(kv)`` (K/V and the dK/dV accumulators travel
 together behind twice the compute, then the accumulators' last hop home); Ulysses (``a2a``)
 exposes 8 all-to-alls of ``(c-1)/c * b (s/c) (a/t) k e`` bytes per GPU (4 forward, 4 backward). A
-recomputed forward (selective or full) repeats the forward's exchanges. The CP group's members are
+recomputed forward (full recompute) repeats the forward's exchanges; selective recompute leaves
+context-parallel attention alone (it keeps only its output and log-sum-exp, nothing quadratic, so
+replaying it would only repeat its exchanges). The CP group's members are
 ``t`` ranks apart (tp innermost, then cp, dp, pp): NVLink when ``t c`` fits in a node, else
 InfiniBand. On the critical path like the tensor-parallel collectives.
 
@@ -182,7 +184,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     mem_h = c.kappa * ACT_BYTES * tokens_mb * (c.c_h * h_rep + 2 * f / t) / hbm
     mem_s = c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
     fwd = mm_dense + mm_attn + mem_h + mem_s
-    extra = {None: 0.0, "selective": mm_attn + mem_s, "full": fwd}[lay.recompute]
+    selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
+    extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
     layer_time = 3 * fwd + extra
     head_fwd = (tokens_mb * 2 * h * tc.padded_vocab_size / t / peak
                 + c.kappa * ACT_BYTES * tokens_mb * 4 * tc.padded_vocab_size / t / hbm)
@@ -225,7 +228,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
 
     gpus = t * p * cp * d
     model_flops = 3 * global_batch * s * (tc.num_layers * (dense + attn) + 2 * h * tc.padded_vocab_size)
-    recompute_flops = global_batch * s * tc.num_layers * {None: 0.0, "selective": attn, "full": dense + attn}[lay.recompute]
+    replayed = {None: 0.0, "selective": attn if lay.cp == 1 else 0.0, "full": dense + attn}[lay.recompute]
+    recompute_flops = global_batch * s * tc.num_layers * replayed
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
                     tokens=global_batch * s, cp_comm=cp_comm)
@@ -239,7 +243,7 @@ def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig,
     if cp == 1:
         return 0.0, 0.0
     link = _group_link(cluster, t * cp)
-    replays = 0 if lay.recompute is None else 1  # selective recomputes core attention: its ring too
+    replays = 1 if lay.recompute == "full" else 0  # selective recompute leaves CP attention alone
     if lay.cp_comm == "p2p":
         kv = cpp.kv_block_bytes(b, s, cp, tc.num_query_groups, k, t, ACT_BYTES)
         return cpp.ring_seconds(cp, _ring_time(kv, link, c), block_attention, replays)
