@@ -37,7 +37,7 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from megatron_hydra.parallel.state import ParallelState
+from megatron_hydra.parallel.state import DP_CP_MESH, ParallelState
 
 # Attributes our code reads from parameters (parallel.layers, models.transformer): how a
 # parameter relates to its logical tensor.
@@ -85,11 +85,10 @@ def mixed_precision(dtype: torch.dtype):
 def dp_mesh(ps: ParallelState):
     """The one-dimensional mesh of the data-parallel (dp x cp) group: the ``dp`` dimension of
     ``ps.mesh``, or its ``dp`` and ``cp`` dimensions flattened into one under context parallelism
-    (cp ranks hold the same weights, so parameters shard over both). (A mesh built anew from the
+    (cp ranks hold the same weights, so parameters shard over both; ``ParallelState.build``
+    flattens them, torchtitan's way). (A mesh built anew from the
     group would not do in the dry run: building one computes on tensors, which are fake there.)"""
-    if ps.sizes["cp"] == 1:
-        return ps.mesh["dp"]
-    return ps.mesh["dp", "cp"]._flatten("dp_cp_fsdp")
+    return ps.mesh["dp"] if ps.sizes["cp"] == 1 else ps.mesh[DP_CP_MESH]
 
 
 def _tags(module: nn.Module) -> dict:

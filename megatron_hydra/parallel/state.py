@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_hydra.parallel.device import bind_device
 
 AXES = ("pp", "dp", "cp", "tp")
+DP_CP_MESH = "dp_cp"  # the name of the dp and cp mesh dimensions flattened into one
 
 
 def _strides(sizes: Dict[str, int]) -> Dict[str, int]:
@@ -87,6 +88,8 @@ class ParallelState:
         timeout = timeout or world_timeout(device_type)
         mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES,
                                 backend_override=_mesh_backend_override(device_type, timeout))
+        if cp > 1:  # FSDP shards over dp x cp: one flattened mesh dimension (parallel.fsdp.dp_mesh)
+            mesh["dp", "cp"]._flatten(DP_CP_MESH)
         groups = {axis: mesh.get_group(axis) for axis in AXES}
         combined = {
             "dp_cp": group_ranks(sizes, ("dp", "cp")),  # gradient reduce

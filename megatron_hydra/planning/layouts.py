@@ -89,8 +89,9 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
                                                               opts.data_parallel):
                 fsdp = mode == "fsdp"
                 if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp * cp == 1) or (do and fsdp)
-                        or (fsdp and (vpp > 1 or cp > 1))  # config.derive: FSDP runs 1F1B, without CP
-                        or (sp and cp > 1 and seq % (2 * cp * tp))):  # and CP's chunks split over tp
+                        or (fsdp and vpp > 1)  # config.derive: FSDP runs 1F1B
+                        or (sp and cp > 1 and seq % (2 * cp * tp))  # and CP's chunks split over tp
+                        or (rc == "selective" and cp > 1)):  # the same run as none: CP attention is not replayed
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
                              distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
