@@ -77,11 +77,11 @@ def _final_weights(run_dir: Path) -> dict:
 
 
 def test_first_signal_saves_and_exits_0_second_stops_at_once(tmp_path, env_no_launcher):
-    # Steps long enough (a larger model) that the second signal comes before the save of the first.
-    slow = ("model.hidden_size=256", "model.seq_length=256", "data.global_batch_size=32", "trainer.max_steps=100000")
+    # With a second signal, steps long enough (a larger model) that it comes before the save of the first.
+    slow = ("model.hidden_size=256", "model.seq_length=256", "data.global_batch_size=32")
     for sig, second in ((signal.SIGINT, None), (signal.SIGTERM, signal.SIGINT)):
         run_dir = tmp_path / sig.name
-        proc = start(run_dir, env_no_launcher, *slow)
+        proc = start(run_dir, env_no_launcher, "trainer.max_steps=100000", *(slow if second else ()))
         try:
             assert wait_for_step(run_dir, proc, 0), proc.stderr.read()[-3000:] if proc.poll() is not None else ""
             proc.send_signal(sig)

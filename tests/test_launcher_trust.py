@@ -121,16 +121,23 @@ def test_blame_goes_to_the_killed_rank_not_to_its_peer(tmp_path):
     assert root_cause_rank(str(tmp_path), failures) == 0
 
 
-def test_stale_error_files_of_an_earlier_run_are_not_blamed(tmp_path, env_no_launcher):
+def test_failing_worker_stops_the_run_quickly_and_stale_error_files_are_not_blamed(tmp_path, env_no_launcher):
+    # A sitecustomize on the workers' path makes rank 1 fail right after joining the process
+    # group, while rank 0 waits for it in a collective: the launcher must not hang, and must blame
+    # rank 1's own error, not the files an earlier run left in the directory.
     inject = rank1_failure_injector(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for rank in (0, 1, 3):  # left by an earlier 4-rank run in this directory
         (run_dir / f"rank{rank}.error").write_text("ValueError: EARLIER-RUN-MARKER\n")
+    start = time.monotonic()
     out = _run(launch_cmd("trainer.devices=2", *SMALL, f"hydra.run.dir={run_dir}"),
-               dict(env_no_launcher, PYTHONPATH=str(inject)))
+               dict(env_no_launcher, PYTHONPATH=str(inject)), timeout=120)
+    elapsed = time.monotonic() - start
     assert out.returncode == 1
+    assert elapsed < 60, elapsed
     assert "rank 1 failed: RuntimeError: injected failure" in out.stderr
+    assert (run_dir / "rank1.error").exists() and "injected failure" in (run_dir / "rank1.error").read_text()
     assert "EARLIER-RUN-MARKER" not in out.stderr and not (run_dir / "rank3.error").exists()
 
 
