@@ -84,3 +84,20 @@ def test_mesh_groups_on_8_gloo_ranks():
                                                        for a in ("dp", "cp", "tp"))]
             ends = sorted({pipeline[0], pipeline[-1]})
             assert row["embedding"] == (ends if rank in ends else None), (sizes, rank)
+
+
+@pytest.mark.parametrize("sizes, ep", [({"pp": 2, "dp": 4, "cp": 1, "tp": 2}, 2), ({"pp": 1, "dp": 4, "cp": 2, "tp": 2}, 4),
+                                       ({"pp": 1, "dp": 2, "cp": 2, "tp": 1}, 2)])
+def test_expert_groups_are_carved_from_data_parallelism(sizes, ep):
+    from megatron_hydra.parallel.state import expert_group_ranks
+
+    world = sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"]
+    groups = expert_group_ranks(sizes, ep)
+    for name, size, same in (("ep", ep, lambda c: (c["pp"], c["cp"], c["tp"], c["dp"] // ep)),
+                             ("edp_cp", world // (sizes["pp"] * sizes["tp"] * ep), lambda c: (c["pp"], c["tp"], c["dp"] % ep))):
+        assert sorted(r for g in groups[name] for r in g) == list(range(world)), name  # a partition of the ranks
+        for group in groups[name]:
+            coords = [coordinates(r, sizes) for r in group]
+            assert len(group) == size and len({same(c) for c in coords}) == 1, (name, group)
+    for group in groups["ep"]:  # ep_rank = dp_rank % ep runs over 0..ep-1 within a group
+        assert sorted(coordinates(r, sizes)["dp"] % ep for r in group) == list(range(ep))

@@ -52,6 +52,26 @@ def group_ranks(sizes: Dict[str, int], axes: Sequence[str]) -> List[List[int]]:
     return groups
 
 
+def expert_group_ranks(sizes: Dict[str, int], ep: int) -> Dict[str, List[List[int]]]:
+    """Expert parallelism carved from data parallelism, as Megatron does: a data-parallel index is
+    ``edp_rank * ep + ep_rank`` (ep innermost), so the ``ep`` ranks of a group are data-parallel
+    neighbours. ``ep``: the ranks that split the experts of each MoE layer (tokens are dispatched
+    among them). ``edp_cp``: the ranks that hold the same experts (same ``ep_rank``, every ``edp``
+    and ``cp`` index): expert gradients are reduced over them, as dense ones are over ``dp_cp``."""
+    if sizes["dp"] % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide the data-parallel size {sizes['dp']}")
+    out: Dict[str, List[List[int]]] = {"ep": [], "edp_cp": []}
+    for group in group_ranks(sizes, ("dp", "cp")):  # sorted: index = dp_rank * cp + cp_rank
+        cp = sizes["cp"]
+        for edp in range(sizes["dp"] // ep):
+            for c in range(cp):
+                out["ep"].append([group[(edp * ep + e) * cp + c] for e in range(ep)])
+        for e in range(ep):
+            out["edp_cp"].append(sorted(group[(edp * ep + e) * cp + c] for edp in range(sizes["dp"] // ep)
+                                        for c in range(cp)))
+    return out
+
+
 def embedding_group_ranks(sizes: Dict[str, int]) -> List[List[int]]:
     """First and last pipeline stage of each pipeline: they hold the tied input/output embedding."""
     return [sorted({g[0], g[-1]}) for g in group_ranks(sizes, ("pp",))]
@@ -67,6 +87,7 @@ class ParallelState:
     rank: int = 0
     mesh: Optional[object] = None
     groups: Optional[Dict[str, object]] = None
+    ep: int = 1  # expert-parallel degree (a factor of dp; expert_group_ranks)
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -74,10 +95,11 @@ class ParallelState:
 
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, device_type: str = "cpu",
-              timeout: Optional[timedelta] = None) -> "ParallelState":
+              timeout: Optional[timedelta] = None, ep: int = 1) -> "ParallelState":
         """Create the mesh and every group. Collective: all ranks must call it together. Every group
         gets ``timeout`` (default: the world group's, i.e. ``trainer.collective_timeout_s``): a
-        subgroup left at torch's default would wait 30 minutes for a stopped peer."""
+        subgroup left at torch's default would wait 30 minutes for a stopped peer. ``ep``: the
+        expert-parallel degree, carved from dp (``expert_group_ranks``)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
@@ -97,12 +119,14 @@ class ParallelState:
             "embedding": embedding_group_ranks(sizes),  # tied embedding grads
             "amax": group_ranks(sizes, ("dp", "cp", "tp")),  # FP8 amax reduction: the ranks holding the same layers
         }
+        if ep > 1:
+            combined.update(expert_group_ranks(sizes, ep))
         for name, all_groups in combined.items():
             for members in all_groups:  # every rank creates every group, in the same order
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups[name] = group
-        return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups)
+        return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups, ep=ep)
 
     def group(self, name: str):
         """The named group of this rank; ``None`` without process groups, or for the embedding
@@ -148,6 +172,20 @@ class ParallelState:
     @property
     def tp_group(self):
         return self.group("tp")
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (``expert_group_ranks``)."""
+        return self.dp_rank % self.ep
+
+    @property
+    def ep_group(self):
+        return self.group("ep")
+
+    @property
+    def expert_dp_group(self):
+        """The ranks holding the same experts (expert gradients are reduced over them)."""
+        return self.group("edp_cp")
 
     @property
     def cp_group(self):
