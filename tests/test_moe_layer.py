@@ -18,7 +18,8 @@
   (``sequence_parallel``: summed over TP; expert params over the expert data-parallel group, the
   rest over dp) and compared with the reference's slice (expert range, TP shard). The stored
   aux/z values and tokens per expert are the micro-batch's; the expert-bias update summed over the
-  ranks holding the layer equals the rule applied to the reference's loads.
+  ranks holding the layer equals the rule applied to the reference's loads; the CommCounter sees
+  the layer's five expert-parallel exchanges (``ep_a2a``) per forward and backward.
 """
 
 from __future__ import annotations
@@ -153,8 +154,9 @@ def run_case(case, ps: ParallelState) -> dict:
         return t.chunk(tp, 1)[r] if sp else t
 
     x = seq(X[d]).clone().requires_grad_()
-    y = holder.mlp(x)
-    (y * seq(dout[d])).sum().backward()
+    with C.count_comm() as comm:
+        y = holder.mlp(x)
+        (y * seq(dout[d])).sum().backward()
     out_ref, aux_ref, z_ref, counts_ref, dropped_ref = refs[d]
     mlp = holder.mlp
     errors = {"out": _rel(y, seq(out_ref.detach())), "x_grad": _rel(x.grad, seq(Xr.grad[d])),
@@ -174,6 +176,8 @@ def run_case(case, ps: ParallelState) -> dict:
                 ref_value, ref_grad = ref_value.chunk(tp, dim)[r], ref_grad.chunk(tp, dim)[r]
             errors[f"value {logical}"] = _rel(value, ref_value)
             errors[f"grad {logical}"] = _rel(g[i] if expert else g, ref_grad)
+    # Counts, tokens there and back in forward; the two token exchanges reversed in backward.
+    errors["ep_a2a calls"] = float(comm.calls["ep_a2a"] != (5 if ps.ep > 1 else 0))
     if spec.capacity_factor is not None:  # the case drops something, and the same number
         errors["dropped"] = float(dropped_ref == 0 or mlp.dropped != dropped_ref)
     if spec.expert_bias_rate:
