@@ -15,9 +15,9 @@ Box-Muller turns them into one normal, in float64, then cast to the parameter's 
 
 Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2,
 and a Mixture of Experts' expert and shared-expert fc2) normal(0, init_std / sqrt(2 * num_layers));
-biases zero; norm weights one. Vocabulary tables draw
-only their ``vocab_size`` real rows; the padding rows (whose number depends on tp) are zero, so
-the real rows are the same whatever the padding.
+biases zero; norm weights one. Vocabulary tables draw only their ``vocab_size`` real rows; the
+padding rows (whose number depends on tp) are zero, so the real rows are the same whatever the
+padding.
 
 A Mixture of Experts holds its local experts stacked in one parameter ([E_local, ...]): each
 expert's slice is filled from that expert's own logical name (``models.moe.local_experts``), so
