@@ -20,6 +20,28 @@ class FP8Recipe:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A Mixture-of-Experts MLP (``models.moe.MoELayer``) in place of the dense one."""
+
+    num_experts: int
+    ffn_hidden_size: int  # of each routed expert
+    top_k: int = 2
+    # softmax: top-k of the softmax over all experts (GShard, Mixtral); sigmoid: top-k of sigmoid
+    # scores (DeepSeek-V3). norm_topk: the k weights renormalised to sum 1.
+    router: str = "softmax"
+    norm_topk: bool = True
+    aux_loss_coeff: float = 0.0  # load-balancing loss (Switch/GShard)
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
+    # Auxiliary-loss-free balancing (DeepSeek-V3): per-expert selection bias, moved by this much
+    # per step towards the mean load. 0: the bias stays zero.
+    expert_bias_rate: float = 0.0
+    # None: dropless. Else each expert takes at most ceil(factor * tokens * top_k / num_experts)
+    # of a rank's tokens, those with the highest routing weight.
+    capacity_factor: Optional[float] = None
+    shared_ffn_hidden_size: int = 0  # a dense MLP every token goes through too (0: none)
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     num_layers: int  # T5: encoder layers
     hidden_size: int

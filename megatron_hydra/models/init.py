@@ -13,10 +13,15 @@ The generator: murmur3's 32-bit finaliser (``_fmix``), done in int64 torch ops m
 keyed by (seed, crc32(name)); three keyed rounds per element give two 32-bit uniforms, and
 Box-Muller turns them into one normal, in float64, then cast to the parameter's dtype.
 
-Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2)
-normal(0, init_std / sqrt(2 * num_layers)); biases zero; norm weights one. Vocabulary tables draw
-only their ``vocab_size`` real rows; the padding rows (whose number depends on tp) are zero, so
-the real rows are the same whatever the padding.
+Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2,
+and a Mixture of Experts' expert and shared-expert fc2) normal(0, init_std / sqrt(2 * num_layers));
+biases zero; norm weights one. Vocabulary tables draw only their ``vocab_size`` real rows; the
+padding rows (whose number depends on tp) are zero, so the real rows are the same whatever the
+padding.
+
+A Mixture of Experts holds its local experts stacked in one parameter ([E_local, ...]): each
+expert's slice is filled from that expert's own logical name (``models.moe.local_experts``), so
+the experts are the same whatever the expert- and tensor-parallel sizes.
 
 Models are built on the meta device and given storage here (``materialize``): each parameter is
 allocated on the target device and filled there, so no CPU copy of the model exists on the way.
@@ -25,6 +30,7 @@ allocated on the target device and filled there, so no CPU copy of the model exi
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import Optional, Sequence
 
@@ -34,8 +40,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
+from megatron_hydra.models.moe import local_experts
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
+MOE_OUTPUT_PROJECTION = re.compile(r"(^|\.)(shared|experts\.\d+)\.fc2\.weight$")
 # [padded_vocab, ...], vocab-parallel; BERT's masked-LM bias is one too (zero like every bias).
 VOCAB_TABLES = ("embedding.weight", "output_weight", "lm_head.bias")
 
@@ -107,7 +115,8 @@ def _rule(name: str, cfg: TransformerConfig):
         return "zero", 0.0
     if "norm" in name:
         return "one", 0.0
-    return "normal", cfg.output_init_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
+    output = name.endswith(OUTPUT_PROJECTIONS) or MOE_OUTPUT_PROJECTION.search(name) is not None
+    return "normal", cfg.output_init_std if output else cfg.init_std
 
 
 @torch.no_grad()
@@ -161,7 +170,11 @@ def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int, dtype: t
 def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int) -> None:
     """Fill every parameter of ``model`` (this TP rank's shards) with its initial value."""
     for lp in logical_parameters(model):  # by logical name, whichever implementation holds them
-        fill_shard(lp.tensor, lp.name, cfg, seed, getattr(lp.param, "tp_partition_dim", None), tp_rank, tp_size)
+        if getattr(lp.param, "expert_parallel", False):
+            for name, tensor, dim in local_experts(lp.name, lp.param):
+                fill_shard(tensor, name, cfg, seed, dim, tp_rank, tp_size)
+        else:
+            fill_shard(lp.tensor, lp.name, cfg, seed, getattr(lp.param, "tp_partition_dim", None), tp_rank, tp_size)
 
 
 def _on_meta(t: torch.Tensor) -> bool:

@@ -168,6 +168,15 @@ class Attention(nn.Module):
 GATED = {"swiglu": F.silu, "geglu": partial(F.gelu, approximate="tanh")}
 
 
+def activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise function of ``model.activation`` (of the gate, for a gated one)."""
+    if activation in GATED:
+        return GATED[activation]
+    if activation == "relu":
+        return F.relu
+    return partial(F.gelu, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 class MLP(nn.Module):
     """Feed-forward: h -> ffn (column-parallel) -> activation -> h (row-parallel). Gated
     activations keep their gate and up projections as two column-parallel layers, so each rank
@@ -182,14 +191,11 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ps.tp_group, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = activation_fn(self.activation)
         if self.gate is not None:
             gate, up = same_input(x, self.gate, self.fc1)
-            h = GATED[self.activation](gate) * up
-        elif self.activation == "relu":
-            h = F.relu(self.fc1(x))
-        else:
-            h = F.gelu(self.fc1(x), approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.fc2(h)
+            return self.fc2(act(gate) * up)
+        return self.fc2(act(self.fc1(x)))
 
 
 class Block(nn.Module):

@@ -146,3 +146,17 @@ def all_to_all(tensor: torch.Tensor, group, kind: str = "cp_a2a") -> torch.Tenso
     out = torch.empty_like(tensor)
     dist.all_to_all_single(out, tensor, group=group)
     return out
+
+
+def all_to_all_uneven(tensor: torch.Tensor, output_splits, input_splits, group, kind: str = "ep_a2a") -> torch.Tensor:
+    """``input_splits[j]`` rows of ``tensor`` (dim 0, in rank order) go to rank ``j``; the result
+    holds ``output_splits[j]`` rows from rank ``j``, in rank order. Both lists are host ints: the
+    receivers learn theirs from an exchange of counts first (``all_to_all`` of a small tensor)."""
+    if group_size(group) == 1:
+        return tensor
+    if _counter is not None:
+        _counter.add(kind, tensor)
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor, list(output_splits), list(input_splits), group=group)
+    return out
