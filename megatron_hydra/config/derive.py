@@ -14,6 +14,7 @@ from typing import List, Tuple
 
 import torch
 
+from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
 from megatron_hydra.errors import ConfigError
@@ -69,6 +70,7 @@ class Derived:
     split_samples: Tuple[int, int, int] = (0, 0, 0)
     # data.global_batch_size, or its default when null (``global_batch_size``).
     global_batch_size: int = 0
+    ep: int = 1  # expert-parallel degree, a factor of dp (parallel.expert_parallel_size)
 
 
 def _get(cfg: RunConfig, key: str):
@@ -474,6 +476,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
     _check_fsdp(cfg, pp)
     _check_context_parallel(cfg, tp, cp)
+    moe, moe_layers = moe_spec(cfg, ffn, dp, tp, cp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
@@ -522,10 +525,13 @@ def derive(cfg: RunConfig) -> Derived:
         relative_attention_max_distance=m.relative_attention_max_distance,
         transformer_impl=m.transformer_impl,
         fp8=_fp8_recipe(cfg),
+        moe=moe,
+        moe_layers=moe_layers,
     )
     trainer = cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)
     return Derived(
         world_size=world, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, num_microbatches=nmb,
         layers_per_stage=layers, transformer=transformer, split_samples=split_samples, global_batch_size=gbs,
+        ep=par.expert_parallel_size,
     )

@@ -15,6 +15,28 @@ from omegaconf import MISSING
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of Experts (docs/moe.md): the MLP of the chosen layers becomes ``num_experts``
+    expert MLPs, ``top_k`` of which each token goes through (GPT family)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    # Each expert's hidden size; None -> model.ffn_hidden_size.
+    ffn_hidden_size: Optional[int] = None
+    # Which layers are MoE: an int n -> layers 0, n, 2n, ... (1: every layer); or one 0/1 per layer.
+    layer_freq: Any = 1
+    router: str = "softmax"  # softmax (GShard, Mixtral) | sigmoid (DeepSeek-V3)
+    norm_topk: bool = True  # the k routing weights renormalised to sum 1
+    aux_loss_coeff: float = 0.0  # load-balancing loss (Switch/GShard)
+    z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
+    # Auxiliary-loss-free balancing (DeepSeek-V3): the selection bias moves this much per step.
+    expert_bias_rate: float = 0.0
+    # None: dropless. Else each expert takes at most ceil(factor x tokens x top_k / num_experts).
+    capacity_factor: Optional[float] = None
+    shared_ffn_hidden_size: int = 0  # a shared expert every token goes through (0: none)
+
+
+@dataclass
 class ModelConfig:
     """Shape and flavour of the network. Published shapes live in ``conf/model/*.yaml``."""
 
@@ -54,6 +76,8 @@ class ModelConfig:
     # The layers Transformer blocks run on (Megatron-Core's switch; docs/gpu.md): local (plain
     # torch, any device) | transformer_engine (NVIDIA Transformer Engine: GPU, GPT family).
     transformer_impl: str = "local"
+    # Mixture of Experts (MoEConfig); null: every MLP is dense.
+    moe: Optional[MoEConfig] = None
 
 
 @dataclass
@@ -69,6 +93,9 @@ class ParallelConfig:
     # How attention exchanges keys and values across them: p2p (ring passing, overlapped with the
     # block computation) | a2a (Ulysses: all-to-all from sequence to heads; heads / tp divisible by cp).
     cp_comm_type: str = "p2p"
+    # Expert parallelism (model.moe): each MoE layer's experts split over this many data-parallel
+    # ranks (a factor of dp), tokens dispatched to them by all-to-all.
+    expert_parallel_size: int = 1
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -88,6 +88,9 @@ class TransformerConfig:
     # local | transformer_engine (models.backends); FP8 matmuls (Transformer Engine only) or None.
     transformer_impl: str = "local"
     fp8: Optional[FP8Recipe] = None
+    # Mixture of Experts: the experts of every MoE layer, and which (global) layers are MoE.
+    moe: Optional[MoESpec] = None
+    moe_layers: Tuple[int, ...] = ()
 
     @property
     def output_init_std(self) -> float:

@@ -207,7 +207,8 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True,
-                 post_norm: bool = False, cross: bool = False, backend: Optional["Backend"] = None):
+                 post_norm: bool = False, cross: bool = False, backend: Optional["Backend"] = None,
+                 moe: bool = False):
         super().__init__()
         backend = backend or LOCAL
         check_backend(cfg, backend)
@@ -217,7 +218,13 @@ class Block(nn.Module):
             self.norm_cross = build_norm(cfg, device)
             self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
         self.norm2 = backend.input_norm(cfg, device)
-        self.mlp = backend.mlp(cfg, ps, device)
+        if moe:  # a Mixture-of-Experts layer (models.moe; config.moe: local layers only)
+            from megatron_hydra.models.moe import MoELayer
+
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.activation, ps, cfg.params_dtype, cfg.sequence_parallel,
+                                device, bias=cfg.add_bias_linear)
+        else:
+            self.mlp = backend.mlp(cfg, ps, device)
         mark_logical(self, backend.parameter_map(cfg))
         self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
@@ -249,7 +256,8 @@ class TransformerStack(nn.ModuleDict):
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, indices, device=None,
                  backend: Optional["Backend"] = None, **block_kwargs):
         backend = backend or LOCAL
-        super().__init__({str(i): Block(cfg, ps, device, backend=backend, **block_kwargs) for i in indices})
+        super().__init__({str(i): Block(cfg, ps, device, backend=backend, moe=i in cfg.moe_layers, **block_kwargs)
+                          for i in indices})
         self.cfg = cfg
         self.runner = backend.stack_runner(cfg, ps)  # the backend's layout and FP8 autocast
 

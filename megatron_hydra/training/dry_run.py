@@ -184,7 +184,8 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     dist.init_process_group(f"cpu:fake,{device.type}:fake", store=FakeStore(), rank=rank, world_size=derived.world_size)
     try:
         # The mesh is built from real (host) rank tables, before anything turns fake.
-        ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type)
+        ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
+                             ep=derived.ep)
         with fake_gpu.fake_gpu() as check:
             tracker = _memory_tracker()
             with tracker:
