@@ -270,7 +270,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             if self.separate:
                 size = bucket.shard_end - bucket.shard_start
                 self.param_buffer[bucket.shard_start:bucket.shard_end].copy_(self.main_buffer[at:at + size])
-        if self.ps.dp_size == 1:
+        if self.buffer.dp == 1:
             return
         for i, bucket in enumerate(self.buffer.buckets):
             self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
