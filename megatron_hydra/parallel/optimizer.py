@@ -270,12 +270,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
             if self.separate:
                 size = bucket.shard_end - bucket.shard_start
                 self.param_buffer[bucket.shard_start:bucket.shard_end].copy_(self.main_buffer[at:at + size])
-        if self.buffer.dp == 1:
-            return
         for i, bucket in enumerate(self.buffer.buckets):
-            self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
-                                                 self.param_buffer[bucket.shard_start:bucket.shard_end],
-                                                 self.buffer.group, "dp_all_gather")
+            if bucket.size > 1:
+                self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
+                                                     self.param_buffer[bucket.shard_start:bucket.shard_end],
+                                                     bucket.group, "dp_all_gather")
 
     def _before_forward(self, module: nn.Module, args) -> None:
         for i in self._wait_for.get(module, ()):
