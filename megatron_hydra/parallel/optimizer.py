@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hydra.parallel import collectives as C
-from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, same_memory
+from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, is_expert, same_memory
 from megatron_hydra.parallel.fsdp import local_rows, local_shard
 from megatron_hydra.parallel.grad_clip import clip_grads, counted
 from megatron_hydra.parallel.state import ParallelState
@@ -245,7 +245,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 return None
         sharded = (self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
-                                         sharded_over_dp=sharded)
+                                         sharded_over_dp=sharded, experts=[is_expert(p) for p in params])
         self.inner.step()
         self._write_back()
         self._release_fsdp_grads()
