@@ -12,7 +12,10 @@ What Adam updates (the *main* parameters) depends on the run, the step around it
   for those pieces only: 1/dp of the plain optimizer's. The grads arrive reduce-scattered (during
   backward, bucket by bucket); after the step each bucket's updated shard is all-gathered into the
   parameter buffer asynchronously, and a forward pre-hook on each module waits for the buckets of
-  its own parameters, so the gather overlaps the next forward.
+  its own parameters, so the gather overlaps the next forward. Expert parameters (expert
+  parallelism) have buckets of their own, reduced over the expert data-parallel group (the ranks
+  holding the same experts): their shards, Adam state and all-gathers are over that group, so
+  rank r of it owns the r-th 1/size of each expert bucket.
 - fully sharded data parallelism (``parallel.data_parallel=fsdp``, no gradient buffer): FSDP keeps
   each parameter as this rank's rows of it (``parallel.fsdp``), in fp32 for 16-bit models, and
   reduce-scatters the grads into the same rows. The pieces are those rows: plain tensors sharing
@@ -68,13 +71,38 @@ def build_adamw(groups: List[dict], impl: str, *, lr: float, betas, eps: float) 
 @dataclass
 class StatePiece:
     """Elements ``[lo, hi)`` of ``param`` flattened, as a checkpoint sees this rank's optimizer
-    state for them: the step count and flat views of the state tensors."""
+    state for them: the step count and flat views of the state tensors. ``param`` is the tensor
+    this rank holds (its TP shard). For an expert parameter (``data_parallel.is_expert``) that is
+    this rank's experts stacked, ``[E_local, ...]``: the range may run over several of them
+    (``expert_ranges`` splits it)."""
 
     param: nn.Parameter
     lo: int
     hi: int
     step: torch.Tensor
     tensors: Dict[str, torch.Tensor]
+
+
+def expert_ranges(param: nn.Parameter, lo: int, hi: int, ep_rank: int) -> List[tuple]:
+    """Elements ``[lo, hi)`` of the flattened stacked expert parameter ``param`` (``[E_local,
+    ...]``, this rank's experts ``ep_rank * E_local`` to ``(ep_rank + 1) * E_local - 1``), split by
+    expert: ``(expert, start, end)`` with the global expert index and the flat range of that
+    expert's own tensor ``param[e - ep_rank * E_local]``; in order, together they are ``[lo, hi)``."""
+    local = param.shape[0]
+    per = param.numel() // local
+    out, at = [], lo
+    while at < hi:
+        e = at // per
+        end = min(hi, (e + 1) * per)
+        out.append((ep_rank * local + e, at - e * per, end - e * per))
+        at = end
+    return out
+
+
+def logical_ndim(p: nn.Parameter) -> int:
+    """Dimensions of one logical tensor of ``p``: an expert parameter stacks its experts' along
+    dim 0 (weight decay follows this: an expert's bias is not decayed, its matrices are)."""
+    return p.ndim - 1 if is_expert(p) else p.ndim
 
 
 @dataclass
@@ -101,6 +129,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
                  eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
         self.fsdp = grad_buffer is None
+        if not self.fsdp and grad_buffer.expert_group is None and C.group_size(ps.ep_group) > 1 and any(
+                is_expert(p) for p in grad_buffer.params):
+            raise ValueError("expert parameters under expert parallelism need a GradBuffer with expert_dp_group "
+                             "(ParallelState.expert_dp_group): their gradients reduce over it, not over dp x cp")
         self.distributed = not self.fsdp and grad_buffer.distributed
         self.separate = not self.fsdp and grad_buffer.separate  # 16-bit model: fp32 main copies
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -110,8 +142,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.pieces = self._fsdp_pieces(model)
         else:
             self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
-        decay = [pc.main for pc in self.pieces if pc.param.ndim >= 2]
-        no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
+        decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) >= 2]
+        no_decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) < 2]
         self.impl = resolve_impl(impl, self.pieces[0].main.device)
         self.inner = build_adamw([{"params": decay, "weight_decay": weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}], self.impl, lr=lr, betas=betas, eps=eps)
@@ -208,7 +240,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
         """fp16: divide the loss scale out of ``grads`` and say whether any rank's gradients hold
         NaN or inf. One fused pass checks and unscales every tensor (no per-tensor host read); the
-        flag is reduced over the model (tp x pp) and data-parallel groups, then read on the host
+        flag is reduced over the model (tp x pp) and data-parallel groups (so every rank sees every
+        rank's, expert gradients included: dp x cp spans the ep groups), then read on the host
         once: skipping the step and the scaler's bookkeeping happen on the host (as in Megatron),
         so an fp16 step waits for its gradients here, the one host sync of an fp16 step."""
         device = grads[0].device
@@ -347,7 +380,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         its step count and flat views of its live tensors (``exp_avg``, ``exp_avg_sq`` and, for
         16-bit models, the fp32 ``main`` weights). Nothing is copied or gathered: a checkpoint
         writes the views, and loading fills them in place (then ``load_steps``). Not distributed,
-        each piece is a whole parameter; distributed, only the ranges this rank owns."""
+        each piece is a whole parameter; distributed, only the ranges this rank owns (of an expert
+        parameter: its share over the expert data-parallel group; ``StatePiece``)."""
         self.finish_param_gather()
         out = []
         for pc in self.pieces:
