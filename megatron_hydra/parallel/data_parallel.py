@@ -14,8 +14,18 @@ reduced in fp32, as Megatron does): autograd leaves each micro-batch's 16-bit gr
 the hook adds it into the fp32 view and frees it.
 
 With ``distributed=True`` (the distributed optimizer) every bucket is padded to a multiple of the
-data-parallel size and reduce-scattered instead of all-reduced: rank r ends up with the mean of
-the r-th 1/dp of each bucket (``Bucket.shard``), which is all its optimizer shard needs.
+size of the group it is reduced over and reduce-scattered instead of all-reduced: rank r of that
+group ends up with the mean of the r-th 1/size of each bucket (``Bucket.shard``), which is all its
+optimizer shard needs.
+
+Expert parameters (``is_expert``: a MoE layer's experts, split over the expert-parallel group)
+get buckets of their own, after the dense ones in the same flat buffer, reduced over the expert
+data-parallel group (the ranks holding the same experts) instead of dp x cp. Every bucket is then
+divided by dp x cp, the expert ones too, although they were summed over only dp x cp / ep ranks:
+the expert-parallel dispatch already summed, on each expert's holder, the gradients of the local
+losses of its whole ep group, so the sum over the expert data-parallel group is the sum over all
+dp x cp ranks, and the gradient of the global loss (the mean of the ranks' local losses) is that
+sum divided by dp x cp.
 """
 
 from __future__ import annotations
@@ -56,12 +66,29 @@ def main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return buffered
 
 
+def is_expert(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` is this rank's share of a MoE layer's experts (``expert_parallel``): it differs
+    across the expert-parallel group and is replicated only over the expert data-parallel one."""
+    return getattr(p, "expert_parallel", False)
+
+
+class _Local:
+    """The handle of a reduction over a group of one rank: nothing to wait for."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
 class Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], start: int, end: int, buffer: torch.Tensor, dp: int, dp_rank: int):
+    """Consecutive parameters of the buffer, reduced together over ``group``."""
+
+    def __init__(self, params: List[torch.nn.Parameter], start: int, end: int, buffer: torch.Tensor, group):
         self.params, self.start, self.end = params, start, end
+        self.group, self.size = group, C.group_size(group)
         self.view = buffer[start:end]
-        size = (end - start) // dp if dp else 0
-        self.shard_start = start + dp_rank * size  # the distributed optimizer's slice (global offsets)
+        size = (end - start) // self.size
+        self.shard_start = start + C.group_rank(group) * size  # the distributed optimizer's slice (global offsets)
         self.shard_end = self.shard_start + size
         self.shard = buffer[self.shard_start:self.shard_end]
         self.ready = 0
@@ -82,25 +109,47 @@ def bucket_layout(numels: List[int], bucket_size: int, pad_to: int = 1) -> List[
     return layout
 
 
+def split_layout(parts: List[tuple], bucket_size: int) -> List[tuple]:
+    """``(members, start, end, group)`` per bucket of one flat buffer. ``parts``: ``(params,
+    group, pad_to)`` per reduction group, in buffer order; each part is laid out by
+    ``bucket_layout`` after the previous one, so that no bucket mixes two groups."""
+    out, at = [], 0
+    for params, group, pad_to in parts:
+        if not params:
+            continue
+        for lo, hi, start, end in bucket_layout([p.numel() for p in params], bucket_size, pad_to):
+            out.append((params[lo:hi], at + start, at + end, group))
+        at = out[-1][2]
+    return out
+
+
 class GradBuffer:
+    """The gradients of ``params``, reduced over ``dp_cp_group``; with ``expert_dp_group`` (expert
+    parallelism), expert parameters' over that group instead (see the module docstring). Without
+    it, expert-tagged parameters are reduced as dense ones, which is right where ep is 1."""
+
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_cp_group, bucket_size: int,
-                 distributed: bool = False):
+                 distributed: bool = False, expert_dp_group=None):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp = dp_cp_group, C.group_size(dp_cp_group)
+        self.expert_group = expert_dp_group
         self.distributed = distributed
         ordered = list(reversed(self.params))
         first = ordered[0]
         self.dtype = grad_dtype_for(first.dtype)
         self.separate = self.dtype != first.dtype  # 16-bit params: grads move into the fp32 buffer
-        layout = bucket_layout([p.numel() for p in ordered], bucket_size, self.dp if distributed else 1)
-        self.buffer = torch.zeros(layout[-1][3], dtype=self.dtype, device=first.device)
-        rank = C.group_rank(dp_cp_group)
+        split = expert_dp_group is not None
+        expert = [p for p in ordered if split and is_expert(p)]
+        dense = [p for p in ordered if not (split and is_expert(p))]
+        parts = [(members, group, C.group_size(group) if distributed else 1)
+                 for members, group in ((dense, dp_cp_group), (expert, expert_dp_group))]
+        layout = split_layout(parts, bucket_size)
+        self.buffer = torch.zeros(layout[-1][2], dtype=self.dtype, device=first.device)
         self.offsets: Dict[torch.nn.Parameter, int] = {}
         self.buckets: List[Bucket] = []
         self._bucket_of = {}
-        for lo, hi, start, end in layout:
-            members = ordered[lo:hi]
-            bucket = Bucket(members, start, end, self.buffer, self.dp, rank)
+        for members, start, end, group in layout:
+            bucket = Bucket(members, start, end, self.buffer, group)
             self.buckets.append(bucket)
             offset = start
             for p in members:
@@ -130,10 +179,12 @@ class GradBuffer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.distributed:
-            bucket.handle = C.reduce_scatter_into(bucket.shard, bucket.view, self.group, "dp_reduce_scatter")
+        if bucket.size == 1:  # experts held by one rank of each ep group: nothing to add up
+            bucket.handle = _Local()
+        elif self.distributed:
+            bucket.handle = C.reduce_scatter_into(bucket.shard, bucket.view, bucket.group, "dp_reduce_scatter")
         else:
-            bucket.handle = C.all_reduce_async(bucket.view, self.group, "dp_all_reduce")
+            bucket.handle = C.all_reduce_async(bucket.view, bucket.group, "dp_all_reduce")
 
     def zero(self) -> None:
         """Zero all grads and (re)attach them to the buffer: anything that set ``.grad = None``
@@ -149,7 +200,7 @@ class GradBuffer:
 
     def finish(self) -> None:
         """Complete the reduction; afterwards every DP rank holds the mean gradient (of its shards,
-        when distributed)."""
+        when distributed): each bucket's sum over its group, divided by dp x cp."""
         if self.separate:
             for p in self.offsets:
                 main_grad(p)

@@ -6,6 +6,13 @@ the tied embedding (``shared_embedding_copy``) not at all. The partial sums of s
 added over the model-parallel (tp x pp) group. Data-parallel replicas hold identical reduced
 grads, so they need no further reduction.
 
+Expert parameters (``data_parallel.is_expert``) are the exception: each rank of an
+expert-parallel group holds different experts, so their partial sum (by the same TP rule: a
+TP-sharded expert tensor on every TP rank, a TP-replicated one on TP rank 0) is first added over
+the ep group. With the distributed optimizer each rank holds a disjoint slice of the dense grads
+(over dp x cp) and of its experts' (over the expert data-parallel group); since dp x cp is the
+expert data-parallel group times the ep group, one sum over dp x cp covers both.
+
 Nothing here reads a value on the host: the clip coefficient stays on the device and every step
 multiplies by it, clamped to at most 1 (``x * 1.0 == x`` exactly in IEEE arithmetic, NaN and inf
 included), so a GPU run never waits here for the norm.
@@ -13,12 +20,12 @@ included), so a GPU run never waits here for the norm.
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 
 from megatron_hydra.parallel import collectives as C
-from megatron_hydra.parallel.data_parallel import main_grad
+from megatron_hydra.parallel.data_parallel import is_expert, main_grad
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -31,16 +38,21 @@ def counted(p: torch.nn.Parameter, ps: ParallelState) -> bool:
 
 @torch.no_grad()
 def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, ps: ParallelState,
-               sharded_over_dp: bool = False) -> torch.Tensor:
+               sharded_over_dp: bool = False, experts: Optional[List[bool]] = None) -> torch.Tensor:
     """Return the global norm of ``grads`` (those with ``counts`` true contribute); scale all of
     them so it is at most ``max_norm`` (0: no clipping). ``sharded_over_dp``: each data-parallel
     rank holds a disjoint part of the grads (the distributed optimizer), so partial sums are added
-    over the data-parallel group too."""
+    over the data-parallel group too. ``experts``: which grads are of expert parameters (their
+    partial sum is added over the expert-parallel group; see the module docstring)."""
     acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     sq = torch.zeros((), dtype=acc_dtype, device=grads[0].device)
-    for g, c in zip(grads, counts):
+    over_ep = experts is not None and any(experts) and not sharded_over_dp and C.group_size(ps.ep_group) > 1
+    expert_sq = torch.zeros_like(sq) if over_ep else sq
+    for i, (g, c) in enumerate(zip(grads, counts)):
         if c:
-            sq += g.to(acc_dtype).pow(2).sum()
+            (expert_sq if over_ep and experts[i] else sq).add_(g.to(acc_dtype).pow(2).sum())
+    if over_ep:
+        sq += C.all_reduce(expert_sq, ps.ep_group)
     C.all_reduce(sq, ps.group("model"))
     if sharded_over_dp:
         C.all_reduce(sq, ps.dp_cp_group)
@@ -60,4 +72,5 @@ def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, p
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, ps: ParallelState) -> torch.Tensor:
     """``clip_grads`` over the (buffered) gradients of ``params``."""
     params = [p for p in params if main_grad(p) is not None]
-    return clip_grads([main_grad(p) for p in params], [counted(p, ps) for p in params], max_norm, ps)
+    return clip_grads([main_grad(p) for p in params], [counted(p, ps) for p in params], max_norm, ps,
+                      experts=[is_expert(p) for p in params])

@@ -12,7 +12,10 @@ What Adam updates (the *main* parameters) depends on the run, the step around it
   for those pieces only: 1/dp of the plain optimizer's. The grads arrive reduce-scattered (during
   backward, bucket by bucket); after the step each bucket's updated shard is all-gathered into the
   parameter buffer asynchronously, and a forward pre-hook on each module waits for the buckets of
-  its own parameters, so the gather overlaps the next forward.
+  its own parameters, so the gather overlaps the next forward. Expert parameters (expert
+  parallelism) have buckets of their own, reduced over the expert data-parallel group (the ranks
+  holding the same experts): their shards, Adam state and all-gathers are over that group, so
+  rank r of it owns the r-th 1/size of each expert bucket.
 - fully sharded data parallelism (``parallel.data_parallel=fsdp``, no gradient buffer): FSDP keeps
   each parameter as this rank's rows of it (``parallel.fsdp``), in fp32 for 16-bit models, and
   reduce-scatters the grads into the same rows. The pieces are those rows: plain tensors sharing
@@ -35,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hydra.parallel import collectives as C
-from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, same_memory
+from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, is_expert, same_memory
 from megatron_hydra.parallel.fsdp import local_rows, local_shard
 from megatron_hydra.parallel.grad_clip import clip_grads, counted
 from megatron_hydra.parallel.state import ParallelState
@@ -68,13 +71,38 @@ def build_adamw(groups: List[dict], impl: str, *, lr: float, betas, eps: float) 
 @dataclass
 class StatePiece:
     """Elements ``[lo, hi)`` of ``param`` flattened, as a checkpoint sees this rank's optimizer
-    state for them: the step count and flat views of the state tensors."""
+    state for them: the step count and flat views of the state tensors. ``param`` is the tensor
+    this rank holds (its TP shard). For an expert parameter (``data_parallel.is_expert``) that is
+    this rank's experts stacked, ``[E_local, ...]``: the range may run over several of them
+    (``expert_ranges`` splits it)."""
 
     param: nn.Parameter
     lo: int
     hi: int
     step: torch.Tensor
     tensors: Dict[str, torch.Tensor]
+
+
+def expert_ranges(param: nn.Parameter, lo: int, hi: int, ep_rank: int) -> List[tuple]:
+    """Elements ``[lo, hi)`` of the flattened stacked expert parameter ``param`` (``[E_local,
+    ...]``, this rank's experts ``ep_rank * E_local`` to ``(ep_rank + 1) * E_local - 1``), split by
+    expert: ``(expert, start, end)`` with the global expert index and the flat range of that
+    expert's own tensor ``param[e - ep_rank * E_local]``; in order, together they are ``[lo, hi)``."""
+    local = param.shape[0]
+    per = param.numel() // local
+    out, at = [], lo
+    while at < hi:
+        e = at // per
+        end = min(hi, (e + 1) * per)
+        out.append((ep_rank * local + e, at - e * per, end - e * per))
+        at = end
+    return out
+
+
+def logical_ndim(p: nn.Parameter) -> int:
+    """Dimensions of one logical tensor of ``p``: an expert parameter stacks its experts' along
+    dim 0 (weight decay follows this: an expert's bias is not decayed, its matrices are)."""
+    return p.ndim - 1 if is_expert(p) else p.ndim
 
 
 @dataclass
@@ -101,6 +129,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
                  eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
         self.fsdp = grad_buffer is None
+        if not self.fsdp and grad_buffer.expert_group is None and C.group_size(ps.ep_group) > 1 and any(
+                is_expert(p) for p in grad_buffer.params):
+            raise ValueError("expert parameters under expert parallelism need a GradBuffer with expert_dp_group "
+                             "(ParallelState.expert_dp_group): their gradients reduce over it, not over dp x cp")
         self.distributed = not self.fsdp and grad_buffer.distributed
         self.separate = not self.fsdp and grad_buffer.separate  # 16-bit model: fp32 main copies
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -110,8 +142,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.pieces = self._fsdp_pieces(model)
         else:
             self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
-        decay = [pc.main for pc in self.pieces if pc.param.ndim >= 2]
-        no_decay = [pc.main for pc in self.pieces if pc.param.ndim < 2]
+        decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) >= 2]
+        no_decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) < 2]
         self.impl = resolve_impl(impl, self.pieces[0].main.device)
         self.inner = build_adamw([{"params": decay, "weight_decay": weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}], self.impl, lr=lr, betas=betas, eps=eps)
@@ -208,7 +240,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
         """fp16: divide the loss scale out of ``grads`` and say whether any rank's gradients hold
         NaN or inf. One fused pass checks and unscales every tensor (no per-tensor host read); the
-        flag is reduced over the model (tp x pp) and data-parallel groups, then read on the host
+        flag is reduced over the model (tp x pp) and data-parallel groups (so every rank sees every
+        rank's, expert gradients included: dp x cp spans the ep groups), then read on the host
         once: skipping the step and the scaler's bookkeeping happen on the host (as in Megatron),
         so an fp16 step waits for its gradients here, the one host sync of an fp16 step."""
         device = grads[0].device
@@ -245,7 +278,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 return None
         sharded = (self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
-                                         sharded_over_dp=sharded)
+                                         sharded_over_dp=sharded, experts=[is_expert(p) for p in params])
         self.inner.step()
         self._write_back()
         self._release_fsdp_grads()
@@ -270,12 +303,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
             if self.separate:
                 size = bucket.shard_end - bucket.shard_start
                 self.param_buffer[bucket.shard_start:bucket.shard_end].copy_(self.main_buffer[at:at + size])
-        if self.ps.dp_size == 1:
-            return
         for i, bucket in enumerate(self.buffer.buckets):
-            self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
-                                                 self.param_buffer[bucket.shard_start:bucket.shard_end],
-                                                 self.buffer.group, "dp_all_gather")
+            if bucket.size > 1:
+                self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
+                                                     self.param_buffer[bucket.shard_start:bucket.shard_end],
+                                                     bucket.group, "dp_all_gather")
 
     def _before_forward(self, module: nn.Module, args) -> None:
         for i in self._wait_for.get(module, ()):
@@ -348,7 +380,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         its step count and flat views of its live tensors (``exp_avg``, ``exp_avg_sq`` and, for
         16-bit models, the fp32 ``main`` weights). Nothing is copied or gathered: a checkpoint
         writes the views, and loading fills them in place (then ``load_steps``). Not distributed,
-        each piece is a whole parameter; distributed, only the ranges this rank owns."""
+        each piece is a whole parameter; distributed, only the ranges this rank owns (of an expert
+        parameter: its share over the expert data-parallel group; ``StatePiece``)."""
         self.finish_param_gather()
         out = []
         for pc in self.pieces:

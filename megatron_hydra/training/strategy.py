@@ -102,8 +102,9 @@ class MegatronStrategy(ParallelStrategy):
         if self.fsdp:
             self._shard(model)
             return model
-        self.grad_buffer = GradBuffer(model.parameters(), self.parallel_state.dp_cp_group, self.grad_bucket_size,
-                                      distributed=self.distributed_optimizer)
+        ps = self.parallel_state
+        self.grad_buffer = GradBuffer(model.parameters(), ps.dp_cp_group, self.grad_bucket_size,
+                                      distributed=self.distributed_optimizer, expert_dp_group=ps.expert_dp_group)
         return model
 
     def _shard(self, module: torch.nn.Module) -> None:
