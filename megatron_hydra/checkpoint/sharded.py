@@ -64,7 +64,13 @@ class Entry:
 
     def part(self, t: torch.Tensor) -> torch.Tensor:
         """This entry's rows of a tensor shaped like ``owner`` (its optimizer state)."""
-        return t if self.rows is None else t[self.rows]
+        return t if self.rows is None else t[self.rows].view(self.param.shape)
+
+    @property
+    def expert(self) -> bool:
+        """One expert of an MoE layer's stacked parameter (replicated over the expert data-parallel
+        group only, not over all of dp x cp)."""
+        return getattr(self.owner, "expert_parallel", False)
 
 
 def entries(model: torch.nn.Module) -> List[Entry]:
@@ -73,9 +79,22 @@ def entries(model: torch.nn.Module) -> List[Entry]:
     parallelism, a ``ModuleList`` of them (one per virtual stage): each chunk's names are already
     logical, so the chunk index is simply dropped."""
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
-    return [Entry(lp.name, lp.tensor, getattr(lp.param, "tp_partition_dim", None), lp.name in VOCAB_TABLES,
+    return [Entry(lp.name, lp.tensor, lp.tp_dim, lp.name in VOCAB_TABLES,
                   getattr(lp.param, "shared_embedding_copy", False), lp.param, lp.rows)
             for chunk in chunks for lp in logical_parameters(chunk)]
+
+
+def persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state that is not a parameter but must survive a restart (an MoE router's
+    selection bias), by logical name; replicated over every rank that holds it."""
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    out = {}
+    for chunk in chunks:
+        for prefix, module in chunk.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
 
 
 def logical_shape(e: Entry, tp_size: int, vocab_size: int) -> List[int]:
@@ -103,7 +122,7 @@ def _entry_range(e: Entry) -> Tuple[int, int]:
     """Where ``e``'s tensor lies in its owner parameter flattened (all of it, or some rows)."""
     if e.rows is None:
         return 0, e.param.numel()
-    row = e.param[0].numel()
+    row = e.owner[0].numel()
     return e.rows.start * row, e.rows.stop * row
 
 
@@ -128,9 +147,11 @@ def _held(e: Entry) -> Tuple[torch.Tensor, int]:
     return rows.detach().reshape(-1), r0 * math.prod(e.param.shape[1:])
 
 
-def _written_range(numel: int, ps: ParallelState) -> Tuple[int, int]:
-    """The part of a data-parallel-replicated tensor of ``numel`` elements this rank writes."""
-    group = ps.dp_cp_group
+def _written_range(e: Entry, ps: ParallelState) -> Tuple[int, int]:
+    """The part of ``e``'s data-parallel-replicated tensor this rank writes: 1/dp x cp of it (an
+    expert's: 1/size of the expert data-parallel group, the ranks holding that expert)."""
+    numel = e.param.numel()
+    group = ps.expert_dp_group if e.expert and ps.expert_dp_group is not None else ps.dp_cp_group
     size, rank = C.group_size(group), C.group_rank(group)
     return rank * numel // size, (rank + 1) * numel // size
 
@@ -184,7 +205,7 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
             written = None
             sd[f"model/{e.name}"] = Chunks.of(place, held, start)
         else:
-            written = _written_range(e.param.numel(), ps)
+            written = _written_range(e, ps)
             sd[f"model/{e.name}"] = Chunks.of(place, e.param.detach().reshape(-1)[written[0]:written[1]], written[0])
         owned = pieces.get(e.owner, [])
         if owned:
@@ -195,6 +216,8 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
             parts = [_piece_chunks(e, place, piece, key, within) for piece in owned if key in piece.tensors]
             if parts:
                 sd[_key(e.name, key)] = Chunks(place.logical, [c for part in parts for c in part.parts])
+    for name, buf in persistent_buffers(model).items():  # identical on every holder: DCP writes it once
+        sd[f"buffer/{name}"] = buf
     return sd
 
 
@@ -463,6 +486,9 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
                     loader.add_pieces(_key(e.name, key), e, owned, key)
                 else:  # fp32 main weights of a checkpoint saved without them: the saved weights
                     mains.add_pieces(f"model/{e.name}", e, owned, key)
+    for name, buf in persistent_buffers(model).items():
+        if f"buffer/{name}" in metadata:  # absent from checkpoints of models without it: stays as built
+            loader.sd[f"buffer/{name}"] = buf
     safe_load(loader.sd, path)
     loader.finish()
     if mains_needed:  # a second read, of the same tensors into the main weights: exact from fp32 ones

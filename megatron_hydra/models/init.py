@@ -40,7 +40,6 @@ from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
-from megatron_hydra.models.moe import local_experts
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
 MOE_OUTPUT_PROJECTION = re.compile(r"(^|\.)(shared|experts\.\d+)\.fc2\.weight$")
@@ -169,12 +168,9 @@ def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int, dtype: t
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: TransformerConfig, seed: int, tp_rank: int, tp_size: int) -> None:
     """Fill every parameter of ``model`` (this TP rank's shards) with its initial value."""
-    for lp in logical_parameters(model):  # by logical name, whichever implementation holds them
-        if getattr(lp.param, "expert_parallel", False):
-            for name, tensor, dim in local_experts(lp.name, lp.param):
-                fill_shard(tensor, name, cfg, seed, dim, tp_rank, tp_size)
-        else:
-            fill_shard(lp.tensor, lp.name, cfg, seed, getattr(lp.param, "tp_partition_dim", None), tp_rank, tp_size)
+    # By logical name, whichever implementation holds them; an MoE layer's stacked experts one by one.
+    for lp in logical_parameters(model):
+        fill_shard(lp.tensor, lp.name, cfg, seed, lp.tp_dim, tp_rank, tp_size)
 
 
 def _on_meta(t: torch.Tensor) -> bool:

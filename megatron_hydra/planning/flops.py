@@ -14,13 +14,21 @@ from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 def model_flops_per_token(cfg: TransformerConfig) -> float:
+    """A Mixture-of-Experts layer counts what a token runs through: its router, its ``top_k``
+    experts and the shared expert, in place of the dense MLP."""
     h, s, d = cfg.hidden_size, cfg.seq_length, cfg.kv_channels
     qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     proj = 2 * cfg.num_attention_heads * d * h
-    mlp = 2 * h * cfg.ffn_hidden_size * (3 if cfg.activation in ("swiglu", "geglu") else 2)
+    matrices = 3 if cfg.activation in ("swiglu", "geglu") else 2
+    mlp = 2 * h * cfg.ffn_hidden_size * matrices
     attention = 2 * 2 * s * cfg.num_attention_heads * d
     head = 2 * h * cfg.padded_vocab_size
-    return 3.0 * (cfg.num_layers * (qkv + proj + mlp + attention) + head)
+    dense = cfg.num_layers * (qkv + proj + mlp + attention)
+    moe = cfg.moe
+    if moe is not None:
+        routed = 2 * h * (moe.num_experts + (moe.top_k * moe.ffn_hidden_size + moe.shared_ffn_hidden_size) * matrices)
+        dense += len(cfg.moe_layers) * (routed - mlp)
+    return 3.0 * (dense + head)
 
 
 def t5_flops_per_sample(cfg: TransformerConfig) -> float:

@@ -36,6 +36,7 @@ import torch
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.init import materialize
+from megatron_hydra.models.moe import MoELayer, set_aux_loss_scale
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
@@ -101,6 +102,7 @@ class LMModule(pl.LightningModule):
         # Dense peak TFLOP/s of this rank's device for MFU (``on_train_start``); None: no MFU.
         self.peak_tflops: Optional[float] = None
         self.guard = FiniteGuard()
+        self._moe_layers: Optional[list] = None
         # Samples trained on so far: carried as is through checkpoints (a resumed run may use
         # another global batch size, so it is not step x batch).
         self.consumed_samples = 0
@@ -109,6 +111,13 @@ class LMModule(pl.LightningModule):
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if tcfg.params_dtype == torch.float16 else None
         # Losses are summed in fp32 even when the model runs in 16 bits.
         self.loss_dtype = torch.float64 if tcfg.params_dtype == torch.float64 else torch.float32
+
+    @property
+    def _moe(self) -> list:
+        """This rank's Mixture-of-Experts layers (``models.moe``)."""
+        if self._moe_layers is None:
+            self._moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
+        return self._moe_layers
 
     @property
     def loss_scale(self) -> float:
@@ -202,6 +211,9 @@ class LMModule(pl.LightningModule):
         Trainer. Returns the loss averaged over data-parallel ranks, the step's learning rate, and
         whether fp16's loss scaler skipped the step."""
         strategy.zero_grad()
+        if self._moe:  # the routers' losses are scaled as the main loss is (models.moe.AuxLossScaler)
+            per_microbatch = 1 if self.derived.pp > 1 else self.derived.num_microbatches  # pp: grads / n later
+            set_aux_loss_scale(self.loss_scale * self.ps.cp_size / per_microbatch)
         if self.derived.pp > 1:
             # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
             # ends: the data-parallel reduce then runs whole in the optimizer step (GradBuffer.finish).
@@ -216,6 +228,8 @@ class LMModule(pl.LightningModule):
             group["lr"] = lr
         skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
         optimizer.step()
+        for layer in self._moe:  # aux-loss-free balancing: every rank holding the layer moves its bias alike
+            layer.update_expert_bias(self.ps.group("amax"))
         skipped = self.loss_scaler is not None and self.loss_scaler.skipped_steps > skipped_before
         return self._dp_mean(loss), lr, skipped
 
@@ -244,7 +258,9 @@ class LMModule(pl.LightningModule):
         read = [loss.detach().double().reshape(())]
         if grad_norm is not None:
             read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
-        values = torch.stack(read).tolist()  # the host read of this logging step
+        moe = self._moe_metrics(loss.device)
+        values = torch.stack(read + moe).tolist()  # the host read of this logging step
+        moe_values = values[len(read):]
         # Wall time since the window began: data loading, Lightning's loop, logging and saves
         # included, so tokens/s is what the whole run achieves, not just the model's math.
         now = time.perf_counter()
@@ -256,6 +272,8 @@ class LMModule(pl.LightningModule):
             metrics["grad_norm"] = (values[1], grad_norm.dtype)
         metrics.update(tokens_per_s=steps * self.tokens_per_step / elapsed, tflops_per_rank=tflops,
                        consumed_samples=float(self.consumed_samples))
+        if moe_values:
+            metrics.update(moe_aux_loss=moe_values[0], moe_load_imbalance=moe_values[1])
         if self.peak_tflops is not None:
             metrics["mfu"] = 100.0 * tflops / self.peak_tflops  # percent of the device's dense peak
         if self.loss_scaler is not None:
@@ -265,6 +283,22 @@ class LMModule(pl.LightningModule):
             self.log(name, torch.tensor(value, dtype=dtype),
                      prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank", "mfu"),
                      on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    def _moe_metrics(self, device) -> list:
+        """The last micro-batch's router losses summed over the MoE layers (aux + z, coefficients
+        applied), and the worst layer's load imbalance: max / mean routed tokens per expert (1 =
+        balanced); over every pipeline stage (a sum and a max over the pp group)."""
+        if self.derived.transformer.moe is None:
+            return []
+        aux = torch.zeros((), dtype=torch.float64, device=device)
+        imbalance = torch.zeros((), dtype=torch.float64, device=device)
+        for m in (m for m in self._moe if m.tokens_per_expert is not None):
+            aux += (m.aux_loss + m.z_loss).double().to(device)
+            counts = m.tokens_per_expert.double().to(device)
+            imbalance = torch.maximum(imbalance, counts.max() / counts.mean().clamp_min(1e-12))
+        C.all_reduce(aux, self.ps.pp_group)
+        C.all_reduce(imbalance, self.ps.pp_group, op=torch.distributed.ReduceOp.MAX)
+        return [aux, imbalance]
 
     # Validation ------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
