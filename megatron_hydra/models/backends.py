@@ -13,6 +13,7 @@ and checkpoints go through it, so one checkpoint loads under either implementati
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -20,11 +21,11 @@ from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models import te_layers
-from megatron_hydra.models.moe import local_experts
+from megatron_hydra.models.moe import build_moe, local_experts
 from megatron_hydra.models.transformer import LOCAL, Backend
 
 BACKENDS: Dict[str, Backend] = {
-    "local": LOCAL,
+    "local": replace(LOCAL, moe=build_moe),
     "transformer_engine": Backend("transformer_engine", te_layers.build_norm, te_layers.fused_norm,
                                   te_layers.TEAttention, te_layers.TEMLP, te_layers.parameter_map,
                                   te_layers.SequenceFirst),

@@ -349,3 +349,10 @@ class MoELayer(nn.Module):
         factor, which leaves ``sign(mean - load)`` unchanged."""
         if self.spec.expert_bias_rate:
             self.router.update_bias(group)
+
+
+def build_moe(cfg, ps: ParallelState, device=None) -> MoELayer:
+    """The local backend's Mixture-of-Experts MLP for a block of ``cfg`` (a ``TransformerConfig``
+    with ``moe`` set; ``models.backends``)."""
+    return MoELayer(cfg.moe, cfg.hidden_size, cfg.activation, ps, cfg.params_dtype, cfg.sequence_parallel, device,
+                    bias=cfg.add_bias_linear)

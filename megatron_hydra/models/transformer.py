@@ -218,13 +218,9 @@ class Block(nn.Module):
             self.norm_cross = build_norm(cfg, device)
             self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
         self.norm2 = backend.input_norm(cfg, device)
-        if moe:  # a Mixture-of-Experts layer (models.moe; config.moe: local layers only)
-            from megatron_hydra.models.moe import MoELayer
-
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.activation, ps, cfg.params_dtype, cfg.sequence_parallel,
-                                device, bias=cfg.add_bias_linear)
-        else:
-            self.mlp = backend.mlp(cfg, ps, device)
+        if moe and backend.moe is None:
+            raise ValueError(f"the {backend.name} layers have no Mixture-of-Experts MLP (config.moe: local only)")
+        self.mlp = backend.moe(cfg, ps, device) if moe else backend.mlp(cfg, ps, device)
         mark_logical(self, backend.parameter_map(cfg))
         self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
@@ -287,6 +283,7 @@ class Backend:
     parameter_map: Callable[[TransformerConfig], Dict[str, Tuple[str, ...]]]
     # (cfg, ps) -> runner(run, x, generating): how a stack's layers run (layout, FP8 autocast)
     stack_runner: Callable
+    moe: Optional[Callable[..., nn.Module]] = None  # (cfg, ps, device): a Mixture-of-Experts MLP, if any
 
 
 LOCAL = Backend("local", build_norm, build_norm, Attention, MLP, lambda cfg: {}, lambda cfg, ps: run_in_order)
