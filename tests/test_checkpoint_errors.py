@@ -111,9 +111,9 @@ def _wait_for(path, text, timeout=120):
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
-# SIGUSR1 on several ranks is test_cluster_launch.py's warning-signal test (save, then requeue), and a
-# signal reaching two ranks test_kill.py's.
-@pytest.mark.parametrize("sig,devices", [(signal.SIGTERM, 1)], ids=["sigterm"])
+# SIGUSR1 on several ranks is test_cluster_launch.py's warning-signal test (save, then requeue), and
+# a second signal during the save test_kill.py's. Ctrl-C of a two-rank run: every rank saves, exit 0.
+@pytest.mark.parametrize("sig,devices", [(signal.SIGINT, 2)], ids=["sigint_2ranks"])
 def test_signal_saves_and_stops_then_resume_continues(tmp_path, env_no_launcher, sig, devices):
     common = [*SMALL, "optim.decay_steps=5000", f"trainer.devices={devices}", "checkpoint.every_n_steps=0"]
     log = tmp_path / "out.txt"
@@ -127,6 +127,8 @@ def test_signal_saves_and_stops_then_resume_continues(tmp_path, env_no_launcher,
             assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         finally:
             proc.kill()
+    text = log.read_text()
+    assert "stop requested by signal: saved step" in text and "Traceback" not in text, text[-3000:]
     saved = sorted((tmp_path / "checkpoints").glob("step_*"))
     assert len(saved) == 1 and saved[0].name.startswith("step_"), saved
     step = int(saved[0].name.split("_")[1])
