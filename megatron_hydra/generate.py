@@ -120,10 +120,10 @@ SAMPLE_SAMPLING = SamplingConfig(temperature=0.8, top_k=50, top_p=0.95)
 
 def training_sample(model, cfg, ps) -> Optional[str]:
     """A short continuation of ``SAMPLE_PROMPT`` by the just-trained model, or ``None`` when this
-    rank does not hold the whole model (tp or pp > 1, or FSDP-sharded: use ``python -m megatron_hydra.generate``)."""
+    rank does not hold the whole model (tp, pp or ep > 1, or FSDP-sharded: use ``python -m megatron_hydra.generate``)."""
     from megatron_hydra.parallel.fsdp import is_sharded
 
-    if ps.tp_size > 1 or ps.pp_size > 1 or any(is_sharded(p) for p in model.parameters()):
+    if ps.tp_size > 1 or ps.pp_size > 1 or ps.ep > 1 or any(is_sharded(p) for p in model.parameters()):
         return None
     from megatron_hydra.data.builders import build_tokenizer_for
 
