@@ -4,7 +4,8 @@ Ranks are laid out as Megatron does, tensor-parallel innermost:
 ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, so a TP group is a run of
 consecutive ranks (one node's NVLink domain on GPUs) and pipeline stages are furthest apart.
 The arithmetic is pure (``coordinates``, ``group_ranks``) so it is tested without processes; the
-``DeviceMesh`` built from it is what DTensor-based checkpointing views shards over.
+``DeviceMesh`` built from it carries the per-axis groups. Expert parallelism is carved from dp
+(``expert_group_ranks``).
 """
 
 from __future__ import annotations
