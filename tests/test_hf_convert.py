@@ -1,9 +1,9 @@
 """Hugging Face interop: import gives transformers' logits at every layout, export round-trips.
 
-The references are transformers' own models: small random GPT-2 and Llama built here (weights
-spread out so that a mapping error cannot hide in near-zero logits), saved with save_pretrained.
-Imported checkpoints are loaded at tp1, tp2 and pp2 through the same code a training run uses,
-and their logits must equal transformers' to 1e-4 in float32. Exported directories are loaded
+The references are transformers' own models: small random GPT-2, Llama and Mixtral built here
+(weights spread out so that a mapping error cannot hide in near-zero logits), saved with
+save_pretrained. Imported checkpoints are loaded at tp1, tp2 and pp2 (Mixtral also at ep2) through
+the same code a training run uses, and their logits must equal transformers' to 1e-4 in float32. Exported directories are loaded
 back by transformers and must hold bitwise the tensors of the original model.
 """
 
@@ -60,13 +60,26 @@ def _hf_llama(path):
     return model.eval()
 
 
+def _hf_mixtral(path):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                     vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+                                     router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    model = transformers.MixtralForCausalLM(cfg)
+    _spread(model)
+    model.save_pretrained(path)
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{architecture: (hf model, its directory, our imported checkpoint, transformers' logits)}."""
     from megatron_hydra.convert import api
 
     out = {}
-    for kind, build in (("gpt2", _hf_gpt2), ("llama", _hf_llama)):
+    for kind, build in (("gpt2", _hf_gpt2), ("llama", _hf_llama), ("mixtral", _hf_mixtral)):
         root = tmp_path_factory.mktemp(kind)
         hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
         model = build(hf_dir)
@@ -76,8 +89,10 @@ def models(tmp_path_factory):
     return out
 
 
-ARCHS = ["gpt2", "llama"]
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+ARCHS = ["gpt2", "llama", "mixtral"]
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}  # (tp, pp, ep)
+# Every architecture at tp2 and pp2; the MoE one also with its experts split over two ranks.
+CASES = [(kind, layout) for kind in ARCHS for layout in ("tp2", "pp2")] + [("mixtral", "ep2")]
 
 
 @pytest.mark.parametrize("kind", ARCHS)
@@ -102,7 +117,8 @@ def test_single_process_logits_match_transformers(models, kind):
 
 def _layout_logits(ckpt, layout, world, tokens):
     """Load ``ckpt`` at ``layout`` on this rank as a training run builds its model; return this
-    rank's logits shard (tp) or the last stage's logits (pp)."""
+    rank's logits shard (tp), the last stage's logits (pp) or this rank's logits (ep: the experts
+    split over the two data-parallel ranks, both given the same tokens)."""
     import torch.distributed as dist
 
     from megatron_hydra.checkpoint import sharded, standalone
@@ -111,10 +127,12 @@ def _layout_logits(ckpt, layout, world, tokens):
     from megatron_hydra.training.module import build_stage_chunks
 
     cfg, _ = standalone.single_process(standalone.read_config(ckpt))
-    cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size = layout
+    tp, pp, ep = layout
+    cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size = tp, pp
+    cfg.parallel.expert_parallel_size = ep
     cfg.trainer.devices = world
     derived = derive(cfg)
-    ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
+    ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, ep=ep)
     chunks, _ = build_stage_chunks(cfg, derived, ps)
     model = torch.nn.ModuleList(chunks) if derived.pp > 1 else chunks[0]
     sharded.load(ckpt, model, None, ps, derived.transformer.vocab_size, load_optimizer=False)
@@ -131,8 +149,7 @@ def _layout_logits(ckpt, layout, world, tokens):
 
 
 def _all_layouts(rank, world, ckpts, tokens):
-    return {(kind, name): _layout_logits(ckpt, layout, world, tokens)
-            for kind, ckpt in ckpts.items() for name, layout in LAYOUTS.items()}
+    return {(kind, name): _layout_logits(ckpts[kind], LAYOUTS[name], world, tokens) for kind, name in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +160,16 @@ def layout_logits(models):
     for kind in ARCHS:
         out[kind, "tp2"] = torch.cat([torch.from_numpy(results[r][kind, "tp2"]) for r in (0, 1)], dim=-1)
         out[kind, "pp2"] = torch.from_numpy(results[1][kind, "pp2"])
+    out["mixtral", "ep2"] = torch.stack([torch.from_numpy(results[r]["mixtral", "ep2"]) for r in (0, 1)])
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("kind,layout", CASES)
 def test_parallel_logits_match_transformers(models, layout_logits, kind, layout):
     ref = models[kind][3]
-    torch.testing.assert_close(layout_logits[kind, layout][..., :VOCAB], ref, atol=1e-4, rtol=0)
+    logits = layout_logits[kind, layout]
+    for rank_logits in (logits if layout == "ep2" else [logits]):  # ep2: each rank's, the same tokens
+        torch.testing.assert_close(rank_logits[..., :VOCAB], ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ARCHS)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
-from megatron_hydra.convert import bert, gpt2, llama, t5
+from megatron_hydra.convert import bert, gpt2, llama, mixtral, t5
 from megatron_hydra.convert.mapping import HFConfig, HFWeights
 from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -24,6 +24,7 @@ LLAMA = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atte
              vocab_size=50, max_position_embeddings=16)
 BERT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
             max_position_embeddings=16)
+MIXTRAL = dict(LLAMA, num_local_experts=4, num_experts_per_tok=2)
 T5 = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4)
 
 VARIANTS = {
@@ -33,6 +34,8 @@ VARIANTS = {
     "llama-biases-tied": (llama, dict(LLAMA, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
     "bert-masked-lm": (bert, dict(BERT, architectures=["BertForMaskedLM"])),
     "bert-pretraining": (bert, dict(BERT, architectures=["BertForPreTraining"])),
+    "mixtral-untied": (mixtral, MIXTRAL),
+    "mixtral-tied": (mixtral, dict(MIXTRAL, tie_word_embeddings=True)),
     "t5-v1.0": (t5, T5),
     "t5-v1.1": (t5, dict(T5, feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
 }
@@ -98,3 +101,19 @@ def test_a_table_that_misses_a_tensor_is_one_line_each_way():
         export_weights(partial, ours, tcfg)
     with pytest.raises(ConfigError, match="this model has no tensor position_embedding.weight"):
         export_weights(gpt2.NAME_MAP, {n: t for n, t in ours.items() if n != "position_embedding.weight"}, tcfg)
+
+
+def test_mixtral_experts_by_name_and_the_refusals():
+    """Each expert's w1 / w3 / w2 (the names of Mixtral's files) is our gate / fc1 / fc2; a
+    sliding window is refused on import, and the GPT families' export checks tell MoE from dense."""
+    tcfg, shapes, ours = _model(mixtral, MIXTRAL)
+    theirs = export_weights(mixtral.NAME_MAP, ours, tcfg)
+    layer = "model.layers.1.block_sparse_moe."
+    for hf_name, our_name in (("experts.3.w1", "experts.3.gate"), ("experts.3.w3", "experts.3.fc1"),
+                              ("experts.0.w2", "experts.0.fc2"), ("gate", "router")):
+        assert torch.equal(theirs[f"{layer}{hf_name}.weight"], ours[f"layers.1.mlp.{our_name}.weight"])
+    assert tcfg.moe.router == "softmax" and tcfg.moe.norm_topk and tcfg.moe_layers == (0, 1)
+    with pytest.raises(ConfigError, match="Mixtral sliding_window=4096 is not supported"):
+        mixtral.model_config(HFConfig(dict(MIXTRAL, sliding_window=4096), "config.json"), "test")
+    dense, _, _ = _model(llama, LLAMA)
+    assert llama.compatible(tcfg) and mixtral.compatible(dense) and not mixtral.compatible(tcfg)

@@ -1,8 +1,10 @@
 """Import a Hugging Face model directory as a checkpoint, and export a checkpoint back.
 
-The families are GPT-2 and Llama (our GPT), BERT and T5, one module each with its name map
+The families are GPT-2, Llama and Mixtral (our GPT), BERT and T5, one module each with its name map
 (``convert.name_map``). Import dispatches on ``config.json``'s ``model_type``; export on the
 checkpoint's ``model.arch``, then (for GPT) on which Hugging Face family the model fits.
+Checkpoint tensors are logical (``backends.logical_parameters``): one per expert of an MoE layer,
+whose experts the model stacks in one parameter.
 
 Import writes a weights-only checkpoint (``checkpoint.standalone``) that any layout loads, since
 checkpoints are layout-free: ``parallel`` only checks that the model splits that way and goes
@@ -30,14 +32,15 @@ from megatron_hydra.checkpoint import sharded, standalone
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
-from megatron_hydra.convert import bert, gpt2, hf_files, llama, name_map, t5
+from megatron_hydra.convert import bert, gpt2, hf_files, llama, mixtral, name_map, t5
 from megatron_hydra.convert.mapping import HFWeights
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 from megatron_hydra.models.archs import ARCHS
+from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
 
-FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5)}
+FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral)}
 TOKENIZER = "tokenizer.json"
 CORPUS_PLACEHOLDER = "path/to/corpus_text_document"  # BERT and T5 train on sentence-split data
 
@@ -99,10 +102,31 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     weights = HFWeights(hf_files.read_weights(input), input)
     ours = name_map.import_weights(family.NAME_MAP, weights, tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size))
     state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
-    model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in state.items()}, strict=True, assign=True)
+    params = _parameters_from_logical(model, state)
+    tags = {n: dict(p.__dict__) for n, p in model.named_parameters()}  # TP and expert tags
+    model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in params.items()}, strict=True, assign=True)
+    for n, p in model.named_parameters():  # assign=True made new Parameters: give them their tags
+        p.__dict__.update(tags[n])
     standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
     _write_extras(output, cfg, kind, input, tokenizer)
     return _fine_tune_command(cfg, output, parallel)
+
+
+def _parameters_from_logical(model: torch.nn.Module, logical: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``model``'s state dict from its logical tensors: a parameter that holds several (an MoE
+    layer's stacked experts, ``backends.logical_parameters``) gets them stacked in its order."""
+    parts: Dict[str, list] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for lp in logical_parameters(model):
+        parts.setdefault(names[id(lp.param)], []).append(lp)
+    out = {}
+    for name, lps in parts.items():
+        if len(lps) == 1 and lps[0].rows is None:
+            out[name] = logical[lps[0].name]
+        else:
+            rest = lps[0].param.shape[1:]
+            out[name] = torch.cat([logical[lp.name].reshape(-1, *rest) for lp in lps])
+    return out
 
 
 def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
@@ -163,7 +187,8 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, obj
     family = _family_for(standalone.single_process(cfg)[1].transformer)
     _, derived, model = standalone.load_model(input, archs=tuple(ARCHS))
     tcfg = derived.transformer
-    sd = {n: p.detach()[: tcfg.vocab_size] if n in VOCAB_TABLES else p.detach() for n, p in model.named_parameters()}
+    sd = {lp.name: lp.tensor.detach() for lp in logical_parameters(model)}
+    sd = {n: t[: tcfg.vocab_size] if n in VOCAB_TABLES else t for n, t in sd.items()}
     target = DTYPES[dtype or "float32"]
     exported = name_map.export_weights(family.NAME_MAP, sd, tcfg, with_tied=False)
     tensors = {n: t.to(target).contiguous() for n, t in exported.items()}

@@ -24,43 +24,51 @@ MODEL_TYPE, ARCH = "llama", "gpt"  # Hugging Face's model_type; our model.arch
 MAX_DEFAULT_SEQ_LENGTH = 4096
 
 L, M, LAYERS = "layers.{i}.", "model.layers.{i}.", "num_layers"
+# Everything but the MLP: embeddings, norms, attention, head (Mixtral shares them).
+BLOCK_RULES = (
+    Rule("embedding.weight", "model.embed_tokens.weight"),
+    Rule("embedding.weight", "lm_head.weight", when=tied, tied=True),
+    Rule("output_weight", "lm_head.weight", when=untied),
+    Rule("final_norm.weight", "model.norm.weight"),
+    Rule(L + "norm1.weight", M + "input_layernorm.weight", per=LAYERS),
+    Rule(L + "attention.qkv.weight", tuple(f"{M}self_attn.{x}_proj.weight" for x in "qkv"), QKV, per=LAYERS),
+    Rule(L + "attention.qkv.bias", tuple(f"{M}self_attn.{x}_proj.bias" for x in "qkv"), QKV, per=LAYERS,
+         when=biased),
+    *weight_and_bias(L + "attention.proj", M + "self_attn.o_proj", per=LAYERS, bias=biased),
+    Rule(L + "norm2.weight", M + "post_attention_layernorm.weight", per=LAYERS),
+)
+IGNORED = ("rotary_emb.inv_freq",)  # a buffer older files carry: not a weight
 NAME_MAP = NameMap(
     MODEL_TYPE,
     rules=(
-        Rule("embedding.weight", "model.embed_tokens.weight"),
-        Rule("embedding.weight", "lm_head.weight", when=tied, tied=True),
-        Rule("output_weight", "lm_head.weight", when=untied),
-        Rule("final_norm.weight", "model.norm.weight"),
-        Rule(L + "norm1.weight", M + "input_layernorm.weight", per=LAYERS),
-        Rule(L + "attention.qkv.weight", tuple(f"{M}self_attn.{x}_proj.weight" for x in "qkv"), QKV, per=LAYERS),
-        Rule(L + "attention.qkv.bias", tuple(f"{M}self_attn.{x}_proj.bias" for x in "qkv"), QKV, per=LAYERS,
-             when=biased),
-        *weight_and_bias(L + "attention.proj", M + "self_attn.o_proj", per=LAYERS, bias=biased),
-        Rule(L + "norm2.weight", M + "post_attention_layernorm.weight", per=LAYERS),
+        *BLOCK_RULES,
         *weight_and_bias(L + "mlp.gate", M + "mlp.gate_proj", per=LAYERS, bias=biased),
         *weight_and_bias(L + "mlp.fc1", M + "mlp.up_proj", per=LAYERS, bias=biased),
         *weight_and_bias(L + "mlp.fc2", M + "mlp.down_proj", per=LAYERS, bias=biased),
     ),
-    ignored=("rotary_emb.inv_freq",),  # a buffer older files carry: not a weight
+    ignored=IGNORED,
 )
 
 
-def _rope_theta(hf: HFConfig) -> float:
+def _rope_theta(hf: HFConfig, family: str, default: float) -> float:
     params = HFConfig(hf.value("rope_parameters", dict, {}), hf.path)
     scaling = HFConfig(hf.value("rope_scaling", dict, {}), hf.path)
     kind = params.value("rope_type", str, scaling.value("rope_type", str, scaling.value("type", str, "default")))
     if kind != "default":
-        raise ConfigError(f"Llama rope_type={kind!r} (rope scaling) is not supported: only plain RoPE is")
-    return params.value("rope_theta", float, hf.value("rope_theta", float, 10000.0))
+        raise ConfigError(f"{family} rope_type={kind!r} (rope scaling) is not supported: only plain RoPE is")
+    return params.value("rope_theta", float, hf.value("rope_theta", float, default))
 
 
-def model_config(hf: HFConfig, name: str) -> ModelConfig:
+def model_config(hf: HFConfig, name: str, family: str = "Llama", rope_theta: float = 10000.0,
+                 norm_eps: float = 1e-6) -> ModelConfig:
+    """Our model config for a Llama-architecture ``config.json``: ``family`` names it in messages,
+    ``rope_theta`` and ``norm_eps`` are its defaults where the file has no value."""
     act = hf.value("hidden_act", str, "silu")
     if act != "silu":
-        raise ConfigError(f"Llama hidden_act={act!r} is not supported: only silu (SwiGLU) is")
+        raise ConfigError(f"{family} hidden_act={act!r} is not supported: only silu (SwiGLU) is")
     bias = hf.value("attention_bias", bool, False)
     if bias != hf.value("mlp_bias", bool, False):
-        raise ConfigError("Llama with attention_bias != mlp_bias is not supported: our model has biases on all "
+        raise ConfigError(f"{family} with attention_bias != mlp_bias is not supported: our model has biases on all "
                           "linear layers or on none")
     heads, hidden = hf.value("num_attention_heads", int), hf.value("hidden_size", int)
     positions = hf.value("max_position_embeddings", int, 2048)
@@ -70,7 +78,8 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
         ffn_hidden_size=hf.value("intermediate_size", int), kv_channels=hf.value("head_dim", int, hidden // max(heads, 1)),
         seq_length=min(positions, MAX_DEFAULT_SEQ_LENGTH),
         max_position_embeddings=positions, vocab_size=hf.value("vocab_size", int), position_embedding="rope",
-        rope_theta=_rope_theta(hf), normalization="rmsnorm", norm_eps=hf.value("rms_norm_eps", float, 1e-6),
+        rope_theta=_rope_theta(hf, family, rope_theta), normalization="rmsnorm",
+        norm_eps=hf.value("rms_norm_eps", float, norm_eps),
         activation="swiglu", add_bias_linear=bias, tie_embeddings=hf.value("tie_word_embeddings", bool, False),
         hidden_dropout=0.0, attention_dropout=hf.value("attention_dropout", float, 0.0),
         init_std=hf.value("initializer_range", float, 0.02),
@@ -81,6 +90,8 @@ def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Llama counterpart, or '' when it has one."""
     if cfg.position_embedding != "rope" or cfg.normalization != "rmsnorm" or cfg.activation != "swiglu":
         return "Llama needs rope, rmsnorm and swiglu"
+    if cfg.moe is not None:
+        return "Llama has no experts (model.moe)"
     return ""
 
 

@@ -2,10 +2,11 @@
 
 A family (``convert/gpt2.py``, ``llama.py``, ``bert.py``, ``t5.py``) lists rules (``Rule``): our
 tensor name, the Hugging Face name(s), and the ``Transform`` between them when it is not the
-identity. ``{i}`` in a name is a layer index, over ``range(getattr(cfg, rule.per))``;
-``rule.when(cfg)`` says whether the tensor exists in this variant (biases, a gated MLP, an untied
-head, ...). The same table drives ``import_weights`` and ``export_weights``, and every transform
-is a pair of exact inverses, so the two directions cannot drift apart.
+identity. ``{i}`` in a name is a layer index, over ``range(getattr(cfg, rule.per))``, and ``{e}``
+an expert index, over ``range(cfg.moe.num_experts)``; ``rule.when(cfg)`` says whether the tensor
+exists in this variant (biases, a gated MLP, an untied head, ...). The same table drives
+``import_weights`` and ``export_weights``, and every transform is a pair of exact inverses, so
+the two directions cannot drift apart.
 
 The Hugging Face shapes that an import checks are written nowhere: they are our model's logical
 shapes sent through the export direction on the meta device, so a ``config.json`` that does not
@@ -14,6 +15,7 @@ match its weights still fails in one line naming the tensor.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -74,15 +76,18 @@ class Rule:
     tied: bool = False
 
     def instances(self, cfg: TransformerConfig) -> Iterator[Tuple[str, Tuple[str, ...]]]:
-        """(our name, their names) for every layer this rule covers in ``cfg``."""
+        """(our name, their names) for every layer (and expert) this rule covers in ``cfg``."""
         if not self.when(cfg):
             return
         theirs = (self.theirs,) if isinstance(self.theirs, str) else self.theirs
-        if self.per is None:
-            yield self.ours, theirs
-            return
-        for i in map(str, range(getattr(cfg, self.per))):
-            yield self.ours.replace("{i}", i), tuple(t.replace("{i}", i) for t in theirs)
+        layers = range(getattr(cfg, self.per)) if self.per is not None else [None]
+        experts = range(cfg.moe.num_experts) if "{e}" in self.ours else [None]
+        for i, e in itertools.product(layers, experts):
+            yield _fill(self.ours, i, e), tuple(_fill(t, i, e) for t in theirs)
+
+
+def _fill(name: str, layer: Optional[int], expert: Optional[int]) -> str:
+    return name.replace("{i}", str(layer)).replace("{e}", str(expert))
 
 
 def weight_and_bias(ours: str, theirs: str, per: Optional[str] = None, bias: Callable = always,
