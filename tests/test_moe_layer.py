@@ -3,7 +3,7 @@
 - Router alone: the top-k choice and weights equal a per-token reference written with Python
   sorting (softmax; sigmoid with a selection bias that changes the choice, never the weights;
   ``norm_topk`` off); the load-balancing and z losses equal their formulas computed here from the
-  routing; ``set_aux_loss_scale`` scales exactly the aux loss's part of the gradient.
+  routing; ``aux_loss_scale`` scales exactly the aux loss's part of the gradient.
 - The expert-bias rule on a hand-computed example (loads 5, 1, 3, 3: the bias moves -r, +r, 0, 0).
 - Initialisation: every expert slice, at any (ep, tp) and ep/tp rank, is its logical tensor's
   (``models.init.logical_tensor`` under the name ``expert_parameter_name`` gives), so every layout
@@ -280,7 +280,6 @@ def test_router_losses_equal_their_formulas():
 
 
 def test_aux_loss_scale_scales_only_the_aux_gradient():
-    from megatron_hydra.models import moe
 
     x = torch.randn(1, 16, H, generator=torch.Generator().manual_seed(8), dtype=F64)
     grads = {}
@@ -288,11 +287,8 @@ def test_aux_loss_scale_scales_only_the_aux_gradient():
         spec = MoESpec(num_experts=E, ffn_hidden_size=FFN, aux_loss_coeff=coeff, z_loss_coeff=coeff)
         layer = MoELayer(spec, H, "gelu", ParallelState.single(), F64)
         init.init_weights(layer, tcfg(), SEED, 0, 1)
-        try:
-            moe.set_aux_loss_scale(scale)
-            layer(x).sum().backward()
-        finally:
-            moe.set_aux_loss_scale(1.0)
+        layer.aux_loss_scale = scale
+        layer(x).sum().backward()
         grads[label] = layer.router.weight.grad
     assert _rel(grads["three"] - grads["none"], 3 * (grads["one"] - grads["none"])) < 1e-10
     assert (grads["one"] - grads["none"]).abs().max() > 1e-3

@@ -79,26 +79,21 @@ def expert_param(shape, tp_dim: Optional[int], num_experts: int, first: int, dty
 
 class AuxLossScaler(torch.autograd.Function):
     """Identity on the layer's output; in backward it also gives the router's auxiliary loss the
-    gradient ``AuxLossScaler.scale`` (Megatron's aux-loss auto-scaler), so that the loss reaches the
-    router without being returned through every module. The training loop sets the scale to what
-    the main loss's gradient is multiplied by (``loss_scale / num_microbatches``)."""
-
-    scale = 1.0
+    gradient ``scale`` (Megatron's aux-loss auto-scaler), so that the loss reaches the router
+    without being returned through every module. ``scale`` is the layer's ``aux_loss_scale``,
+    which the training loop sets to what the main loss's gradient is multiplied by
+    (``loss_scale / num_microbatches``): per layer, not process-wide, so that nothing outlives a run."""
 
     @staticmethod
-    def forward(ctx, output, loss):
+    def forward(ctx, output, loss, scale):
         ctx.save_for_backward(loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss) * AuxLossScaler.scale
-
-
-def set_aux_loss_scale(scale) -> None:
-    """d(training loss)/d(aux loss) for every MoE layer's next backward (a float or a 0-d tensor)."""
-    AuxLossScaler.scale = scale
+        return grad, torch.ones_like(loss) * ctx.scale, None
 
 
 class Routing(NamedTuple):
@@ -306,6 +301,8 @@ class MoELayer(nn.Module):
             self.shared = MLP(shape, ps, device)
         self.aux_loss = self.z_loss = self.tokens_per_expert = None
         self.dropped = 0
+        # d(training loss)/d(router losses) in the next backward (AuxLossScaler; set by the training step).
+        self.aux_loss_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -326,7 +323,7 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if loss is not None and torch.is_grad_enabled():
-            out = AuxLossScaler.apply(out, loss)
+            out = AuxLossScaler.apply(out, loss, self.aux_loss_scale)
         return out
 
     def _routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

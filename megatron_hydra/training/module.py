@@ -36,7 +36,7 @@ import torch
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.init import materialize
-from megatron_hydra.models.moe import MoELayer, set_aux_loss_scale
+from megatron_hydra.models.moe import MoELayer
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
@@ -213,7 +213,8 @@ class LMModule(pl.LightningModule):
         strategy.zero_grad()
         if self._moe:  # the routers' losses are scaled as the main loss is (models.moe.AuxLossScaler)
             per_microbatch = 1 if self.derived.pp > 1 else self.derived.num_microbatches  # pp: grads / n later
-            set_aux_loss_scale(self.loss_scale * self.ps.cp_size / per_microbatch)
+            for layer in self._moe:
+                layer.aux_loss_scale = self.loss_scale * self.ps.cp_size / per_microbatch
         if self.derived.pp > 1:
             # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
             # ends: the data-parallel reduce then runs whole in the optimizer step (GradBuffer.finish).
