@@ -280,7 +280,6 @@ def test_router_losses_equal_their_formulas():
 
 
 def test_aux_loss_scale_scales_only_the_aux_gradient():
-
     x = torch.randn(1, 16, H, generator=torch.Generator().manual_seed(8), dtype=F64)
     grads = {}
     for label, coeff, scale in (("none", 0.0, 1.0), ("one", 0.5, 1.0), ("three", 0.5, 3.0)):
