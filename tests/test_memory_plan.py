@@ -53,6 +53,18 @@ LAYOUTS = {
     "dp2_bf16_distributed_optimizer": ["trainer.devices=2", "precision=bf16", "optim.distributed_optimizer=true"],
 }
 RUN = [*SMALL, "model.num_layers=4", "trainer.max_steps=1", "optim.warmup_steps=0", "checkpoint.save_last=false"]
+# Mixture of Experts: moe_tiny shrunk; its 8 experts split over ep ranks, their buckets reduced over
+# dp / ep ranks. pp2 with MoE in layers 2 and 3 only: the plan must build each stage's own layers.
+MOE = ["model=moe_tiny", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.moe.ffn_hidden_size=32"]
+MOE_LAYOUTS = {
+    "ep2": ["trainer.devices=2", "parallel.expert_parallel_size=2"],
+    "ep2_distributed_optimizer": ["trainer.devices=2", "parallel.expert_parallel_size=2",
+                                  "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
+    "ep2_dp4_bf16_distributed_optimizer": ["trainer.devices=4", "parallel.expert_parallel_size=2", "precision=bf16",
+                                           "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
+    "pp2_shared_expert": ["parallel=pp2", "trainer.devices=2", "model.moe.layer_freq=[0,0,1,1]",
+                          "model.moe.shared_ffn_hidden_size=32"],
+}
 
 
 def _storage_bytes(tensors) -> int:
@@ -115,6 +127,16 @@ def test_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
         dp = 2 if "optim.distributed_optimizer=true" in overrides else 1  # Adam state for 1/dp of the weights
         # Adam's two fp32 moments for 1/dp of the parameters (bucket padding aside)
         assert counted["optimizer_bytes"] == pytest.approx(8 * counted["params"] / dp, abs=8 * dp)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
+    overrides = [*RUN, *MOE, *MOE_LAYOUTS[layout]]
+    world = derive(compose_config(overrides)).world_size
+    results = spawn_ranks(_real_run_rank, world, overrides, str(tmp_path))
+    assert sorted(results) == list(range(world))
+    for rank, (counted, planned) in results.items():
+        assert counted == planned, f"rank {rank}"
 
 
 # Activations measured against the formulas ---------------------------------------------------------

@@ -194,12 +194,15 @@ def _chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: boo
 
 def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int) -> List[int]:
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
-    layers, in the model's parameter order."""
-    shape_only = dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
-                                     recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
-                                     transformer_impl="local", fp8=None, context_parallel_size=1,
-                                     cp_comm_type="p2p")  # the same logical tensors
-    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only, num_layers, pre, post)]
+    layers, in the model's parameter order (a dense model; ``planning.moe`` for experts)."""
+    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only(tcfg), num_layers, pre, post)]
+
+
+def shape_only(tcfg: TransformerConfig) -> TransformerConfig:
+    """``tcfg`` with what does not change the logical tensors reset (a cache key for the builds)."""
+    return dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
+                               transformer_impl="local", fp8=None, context_parallel_size=1, cp_comm_type="p2p")
 
 
 def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:
@@ -501,16 +504,20 @@ def rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int) -> RankMemory:
 def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, outside) -> RankMemory:
     tc = derived.transformer
     chunks = rank_chunks(cfg, derived, pp_rank)
-    numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
+    gathered, moe = 0, tc.moe is not None
+    numels = [] if moe else [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
     params = sum(numels)
-    if cfg.parallel.data_parallel == "fsdp":
+    if moe:
+        from megatron_hydra.planning.moe import rank_state
+
+        params, (weights, grads, main, optimizer) = rank_state(cfg, derived, pp_rank, chunks)
+    elif cfg.parallel.data_parallel == "fsdp":
         from megatron_hydra.planning.fsdp import chunk_params, fsdp_state_bytes
 
         held = [p for layers, pre, post in chunks for p in chunk_params(tc, layers, pre, post, derived.tp)]
         weights, grads, main, optimizer, gathered = fsdp_state_bytes(held, tc.params_dtype, derived.dp * derived.cp,
                                                                      derived.pp, derived.num_microbatches)
     else:
-        gathered = 0
         padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                     cfg.optim.distributed_optimizer)
         weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
