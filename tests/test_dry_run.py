@@ -65,6 +65,23 @@ def test_fsdp_steps_on_the_fake_group_within_plan():
         _cfg("model=gpt_125m", "parallel=tp2", "trainer.devices=8", "parallel.data_parallel=fsdp", "mode=dry_run")
 
 
+@pytest.mark.parametrize("overrides,ranks", [
+    (("model=moe_tiny", "model.num_layers=2", "trainer.devices=2", "parallel.expert_parallel_size=2",
+      "data.micro_batch_size=2", "data.global_batch_size=4"), [1]),
+    # Mixtral's shapes at tp8 x ep8 on 64 ranks (4 of its 32 layers, to keep the test short).
+    (("model=mixtral_8x7b", "model.num_layers=4", "parallel=tp8", "trainer.num_nodes=8",
+      "parallel.expert_parallel_size=8", "data.micro_batch_size=1", "data.global_batch_size=8"), [0]),
+])
+def test_moe_steps_on_the_fake_group_within_plan(overrides, ranks):
+    # The dispatch runs on fake tensors with balanced routing (parallel.expert_dispatch): the
+    # all-to-alls on the fake group, the experts' matmuls on the fake GPU, no host read.
+    cfg, derived = _cfg(*overrides, "precision=bf16", "optim.distributed_optimizer=true", "mode=dry_run")
+    for result in D.dry_run(cfg, derived, ranks):
+        _within_plan(result)
+        assert result.peak_bytes > result.static_bytes
+        assert result.host_syncs == []
+
+
 def test_planted_device_bug_is_named(monkeypatch):
     def loss_with_host_tensor(per_token_loss, loss_mask):
         weights = torch.ones(per_token_loss.shape)  # on the host, whatever the model's device
