@@ -381,6 +381,32 @@ def test_gpu_fit_check_refuses_a_plan_that_fits_only_without_headroom():
     check_fits(roomy, derive(roomy))
 
 
+def test_moe_runs_are_planned_and_checked():
+    """MoE models: mode=plan and the launcher's fit check plan them (experts per EP rank, their
+    activations); mode=plan_layouts refuses them in one line."""
+    from megatron_hydra.planning.fit import check_fits
+
+    run = ["model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "parallel=tp8", "precision=bf16",
+           "parallel.expert_parallel_size=8", "data.micro_batch_size=1", "data.global_batch_size=8"]
+    cfg = compose_config([*run, "mode=plan"])
+    plan = plan_memory(cfg, derive(cfg))
+    (row,) = plan.ranks
+    # Mixtral per rank: 1/8 of attention, embeddings and head (tp8), 1 of 8 experts at 1/8 (tp8 x ep8)
+    t = derive(cfg).transformer
+    h, layers, f = t.hidden_size, t.num_layers, t.moe.ffn_hidden_size
+    experts = layers * 3 * h * f // 8
+    attention = layers * (h * (t.num_attention_heads + 2 * t.num_query_groups) * t.kv_channels
+                          + t.num_attention_heads * t.kv_channels * h) // 8
+    rest = 2 * t.padded_vocab_size * h // 8 + layers * (2 * h + 8 * h) + h  # tables, norms, routers, final norm
+    assert row.params == experts + attention + rest
+    with pytest.raises(ConfigError) as err:
+        small = compose_config([*run, "trainer.device_memory_gb=20"])
+        check_fits(small, derive(small))
+    assert "\n" not in str(err.value) and "short by" in str(err.value)
+    with pytest.raises(ConfigError, match="mode=plan_layouts"):
+        derive(compose_config([*run, "mode=plan_layouts"]))
+
+
 @pytest.mark.parametrize("overrides,share", [
     # (weights / dp) + what the rank's optimizer holds, split over dp when replicated: N params,
     # bf16 weights (2N), fp32 main weights (4N) and two fp32 moments (8N).

@@ -79,9 +79,11 @@ def _balanced_plan(indices: torch.Tensor, num_experts: int, group, cap: Optional
     send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
     mine = per_expert[me * local:(me + 1) * local]
     kept = torch.argsort(experts, stable=True)[:sum(per_expert)]
-    order = torch.arange(ep * sum(mine), device=indices.device) if ep > 1 else None  # values unknown anyway
-    return Plan(kept, kept // indices.shape[1], send, [sum(mine)] * ep, [ep * n for n in mine], order, order,
-                experts.numel() - kept.numel())
+    to_expert = to_source = None
+    if ep > 1:  # two permutations of the received rows, as a run holds (their values are unknown anyway)
+        to_expert, to_source = (torch.arange(ep * sum(mine), device=indices.device) for _ in range(2))
+    return Plan(kept, kept // indices.shape[1], send, [sum(mine)] * ep, [ep * n for n in mine], to_expert,
+                to_source, experts.numel() - kept.numel())
 
 
 def _within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:

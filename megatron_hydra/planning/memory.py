@@ -24,7 +24,8 @@ flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
 weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
 parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four are sharded and a
-working set of gathered blocks is added: ``planning.fsdp``.
+working set of gathered blocks is added: ``planning.fsdp``. Mixture-of-Experts models (experts per
+EP rank, their own buckets, their activations): ``planning.moe``.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"). Per layer and micro-batch, s = sequence, b = micro-batch, h = hidden, a = heads,
@@ -331,7 +332,8 @@ def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> Lis
     communicator, even where two groups hold the same ranks)."""
     names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("cp", derived.cp),
                                       ("dp_cp", derived.dp * derived.cp),
-                                      ("model", derived.tp * derived.pp), ("world", derived.world_size)) if size > 1]
+                                      ("model", derived.tp * derived.pp), ("world", derived.world_size), ("ep", derived.ep),
+                                      ("edp_cp", derived.dp * derived.cp // derived.ep * (derived.ep > 1))) if size > 1]
     if derived.pp > 1 and tied and first_or_last:
         names.append("embedding")
     return names
@@ -525,6 +527,9 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
     checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
     per_chunk = [_chunk_activations(n, tc, full, selective, checkpointed) for n, _, _ in chunks]
+    if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
+        from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
+        per_chunk = [(s + ds, r + dr) for (s, r), (ds, dr) in zip(per_chunk, deltas(cfg, derived, pp_rank, layer))]
     flight = in_flight(cfg.parallel.pipeline_schedule, derived.pp, derived.vpp, pp_rank, derived.num_microbatches)
     per_chunk_flight = math.ceil(flight / len(chunks))
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)

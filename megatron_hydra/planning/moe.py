@@ -8,6 +8,25 @@ dp x cp / ep ranks; under the distributed optimizer each of those buckets is pad
 of that group's size and its shard is 1/(dp x cp / ep) of it. The plan lays the buffer out with
 ``parallel.data_parallel.split_layout``, the function the run's ``GradBuffer`` calls, so padding and
 shards are the run's.
+
+Activations per MoE layer and micro-batch, in place of the dense MLP's terms (its fc1 input and
+hidden tensors), what the layer keeps for backward (measured on the real layer with a saved-tensor
+hook and by the dry run). T tokens of the micro-batch on this rank (s b / cp; T r of them routed
+here under SP, r = 1/t), k = top_k, E experts, f the expert ffn size, v the activation bytes,
+w = max(v, 4) the router's (fp32 for 16-bit models):
+
+    router input (cast to its dtype)           w T r h
+    logits, scores, probabilities              3 w T r E
+    routing weights and indices (small)        4 (T k + 2 T r + T k) + 8 T k (x 3, x 5 at ep > 1)
+    permuted tokens (the experts' input)       v T k h
+    experts' hidden tensors                    v T k f x 2 / t (gated: x 4)
+    experts' output, and its cast for combine  v T k h + w T k h
+    shared expert (if any): a dense MLP        v T h + v T f_s x 2 / t (gated: x 4)
+
+Balanced routing is assumed (each expert gets T k / E of a rank's assignments; real loads vary
+around it, and so does the memory of each EP rank's experts); the totals over experts do not
+depend on ep. Under full recomputation a recomputed MoE layer keeps only its input like a dense
+one, and its replay adds these terms.
 """
 
 from __future__ import annotations
@@ -91,3 +110,42 @@ def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[
     padded, shard = flat_buffer(params, cfg.parallel.grad_bucket_size, derived.dp * derived.cp, derived.ep,
                                 cfg.optim.distributed_optimizer)
     return numel, state_bytes(numel, tc.params_dtype, shard, padded)
+
+
+def layer_delta_bytes(tc: TransformerConfig, layer: dict) -> float:
+    """Bytes an MoE layer keeps beyond a dense layer of ``tc`` (``memory._layer_shape``'s ``layer``)."""
+    from megatron_hydra.planning.memory import GATED_ACTIVATIONS
+
+    spec, t, v, h = tc.moe, layer["tp"], layer["value_bytes"], layer["hidden"]
+    T = layer["seq"] / layer["cp"] * layer["micro_batch"]
+    k, e, r = spec.top_k, spec.num_experts, (1.0 / t if layer["sequence_parallel"] else 1.0)
+    w, units = max(v, 4), (4 if tc.activation in GATED_ACTIVATIONS else 2)
+    ep_extra = 2 if tc.moe and layer.get("ep", 1) > 1 else 0
+    moe = w * T * r * h + 3 * w * T * r * e + 4 * (2 * T * k + 2 * T * r) + 8 * T * k * (3 + ep_extra)
+    moe += v * T * k * h + units * v * T * k * spec.ffn_hidden_size / t + (v + w) * T * k * h
+    if spec.shared_ffn_hidden_size:
+        moe += v * T * h + units * v * T * spec.shared_ffn_hidden_size / t
+    dense = v * T * h * (1.0 if layer["sp_gathered_inputs"] else r) + units * v * T * layer["ffn_hidden"] / t
+    return moe - dense
+
+
+def chunk_activation_deltas(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict) -> List[Tuple[float, float]]:
+    """(stored, replay) bytes each chunk of pipeline rank ``pp_rank`` adds per micro-batch for its
+    MoE layers over ``memory._chunk_activations``' dense figures."""
+    from megatron_hydra.parallel.recompute import recomputed_chunks
+
+    tc = derived.transformer
+    delta = layer_delta_bytes(tc, {**layer, "ep": derived.ep})
+    out = []
+    for layers in chunk_ranges(cfg, derived, pp_rank):
+        moe = [i in tc.moe_layers for i in layers]
+        if tc.recompute_granularity != "full":
+            out.append((sum(moe) * delta, 0.0))
+            continue
+        stored = replay = 0.0
+        for start, end, recomputed in recomputed_chunks(len(layers), "full", tc.recompute_method,
+                                                        tc.recompute_num_layers):
+            n = sum(moe[start:end]) * delta
+            stored, replay = (stored, max(replay, n)) if recomputed else (stored + n, replay)
+        out.append((stored, replay))
+    return out
