@@ -65,6 +65,44 @@ def test_fsdp_steps_on_the_fake_group_within_plan():
         _cfg("model=gpt_125m", "parallel=tp2", "trainer.devices=8", "parallel.data_parallel=fsdp", "mode=dry_run")
 
 
+@pytest.mark.parametrize("overrides,ranks", [
+    (("model=moe_tiny", "model.num_layers=2", "trainer.devices=2", "parallel.expert_parallel_size=2",
+      "data.micro_batch_size=2", "data.global_batch_size=4"), [1]),
+    # Mixtral's shapes at tp8 x ep8 on 64 ranks (4 of its 32 layers, to keep the test short).
+    (("model=mixtral_8x7b", "model.num_layers=4", "parallel=tp8", "trainer.num_nodes=8",
+      "parallel.expert_parallel_size=8", "data.micro_batch_size=1", "data.global_batch_size=8"), [0]),
+])
+def test_moe_steps_on_the_fake_group_within_plan(overrides, ranks):
+    # The dispatch runs on fake tensors with balanced routing (parallel.expert_dispatch): the
+    # all-to-alls on the fake group, the experts' matmuls on the fake GPU, no host read.
+    cfg, derived = _cfg(*overrides, "precision=bf16", "optim.distributed_optimizer=true", "mode=dry_run")
+    for result in D.dry_run(cfg, derived, ranks):
+        _within_plan(result)
+        assert result.peak_bytes > result.static_bytes
+        assert result.host_syncs == []
+
+
+def test_moe_activations_per_layer_match_the_plan():
+    """One more MoE layer's bytes at the step's peak (fake tensors, balanced routing) against the
+    plan's MoE terms (planning.moe), at tp2 + sp x ep2 with a shared expert."""
+    from megatron_hydra.planning.memory import _layer_shape, activation_bytes_per_layer
+    from megatron_hydra.planning.moe import layer_delta_bytes
+
+    peaks = {}
+    for layers in (2, 6):
+        cfg, derived = _cfg("model=moe_tiny", "trainer.devices=4", "parallel=tp2", "parallel.sequence_parallel=true",
+                            "parallel.expert_parallel_size=2", "model.moe.shared_ffn_hidden_size=512",
+                            "data.micro_batch_size=1", "data.global_batch_size=2", f"model.num_layers={layers}",
+                            "precision=bf16", "model.hidden_size=512", "model.num_attention_heads=8",
+                            "model.seq_length=512", "model.vocab_size=256", "mode=dry_run")
+        (result,) = D.dry_run(cfg, derived, [0])
+        peaks[layers] = result.peak_bytes - result.static_bytes
+    measured = (peaks[6] - peaks[2]) / 4
+    layer = _layer_shape(cfg, derived)
+    planned = activation_bytes_per_layer(**layer) + layer_delta_bytes(derived.transformer, {**layer, "ep": derived.ep})
+    assert measured == pytest.approx(planned, rel=0.02)
+
+
 def test_planted_device_bug_is_named(monkeypatch):
     def loss_with_host_tensor(per_token_loss, loss_mask):
         weights = torch.ones(per_token_loss.shape)  # on the host, whatever the model's device

@@ -53,6 +53,18 @@ LAYOUTS = {
     "dp2_bf16_distributed_optimizer": ["trainer.devices=2", "precision=bf16", "optim.distributed_optimizer=true"],
 }
 RUN = [*SMALL, "model.num_layers=4", "trainer.max_steps=1", "optim.warmup_steps=0", "checkpoint.save_last=false"]
+# Mixture of Experts: moe_tiny shrunk; its 8 experts split over ep ranks, their buckets reduced over
+# dp / ep ranks. pp2 with MoE in layers 2 and 3 only: the plan must build each stage's own layers.
+MOE = ["model=moe_tiny", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.moe.ffn_hidden_size=32"]
+MOE_LAYOUTS = {
+    "ep2": ["trainer.devices=2", "parallel.expert_parallel_size=2"],
+    "ep2_distributed_optimizer": ["trainer.devices=2", "parallel.expert_parallel_size=2",
+                                  "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
+    "ep2_dp4_bf16_distributed_optimizer": ["trainer.devices=4", "parallel.expert_parallel_size=2", "precision=bf16",
+                                           "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
+    "pp2_shared_expert": ["parallel=pp2", "trainer.devices=2", "model.moe.layer_freq=[0,0,1,1]",
+                          "model.moe.shared_ffn_hidden_size=32"],
+}
 
 
 def _storage_bytes(tensors) -> int:
@@ -115,6 +127,16 @@ def test_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
         dp = 2 if "optim.distributed_optimizer=true" in overrides else 1  # Adam state for 1/dp of the weights
         # Adam's two fp32 moments for 1/dp of the parameters (bucket padding aside)
         assert counted["optimizer_bytes"] == pytest.approx(8 * counted["params"] / dp, abs=8 * dp)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
+    overrides = [*RUN, *MOE, *MOE_LAYOUTS[layout]]
+    world = derive(compose_config(overrides)).world_size
+    results = spawn_ranks(_real_run_rank, world, overrides, str(tmp_path))
+    assert sorted(results) == list(range(world))
+    for rank, (counted, planned) in results.items():
+        assert counted == planned, f"rank {rank}"
 
 
 # Activations measured against the formulas ---------------------------------------------------------
@@ -357,6 +379,32 @@ def test_gpu_fit_check_refuses_a_plan_that_fits_only_without_headroom():
     assert f"a device has {between:.2f} GiB" in message and "short by" in message and "try " in message
     roomy = compose_config([*GPU_RUN, f"trainer.device_memory_gb={peak.needed_bytes / GIB + 0.01}"])
     check_fits(roomy, derive(roomy))
+
+
+def test_moe_runs_are_planned_and_checked():
+    """MoE models: mode=plan and the launcher's fit check plan them (experts per EP rank, their
+    activations); mode=plan_layouts refuses them in one line."""
+    from megatron_hydra.planning.fit import check_fits
+
+    run = ["model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "parallel=tp8", "precision=bf16",
+           "parallel.expert_parallel_size=8", "data.micro_batch_size=1", "data.global_batch_size=8"]
+    cfg = compose_config([*run, "mode=plan"])
+    plan = plan_memory(cfg, derive(cfg))
+    (row,) = plan.ranks
+    # Mixtral per rank: 1/8 of attention, embeddings and head (tp8), 1 of 8 experts at 1/8 (tp8 x ep8)
+    t = derive(cfg).transformer
+    h, layers, f = t.hidden_size, t.num_layers, t.moe.ffn_hidden_size
+    experts = layers * 3 * h * f // 8
+    attention = layers * (h * (t.num_attention_heads + 2 * t.num_query_groups) * t.kv_channels
+                          + t.num_attention_heads * t.kv_channels * h) // 8
+    rest = 2 * t.padded_vocab_size * h // 8 + layers * (2 * h + 8 * h) + h  # tables, norms, routers, final norm
+    assert row.params == experts + attention + rest
+    with pytest.raises(ConfigError) as err:
+        small = compose_config([*run, "trainer.device_memory_gb=20"])
+        check_fits(small, derive(small))
+    assert "\n" not in str(err.value) and "short by" in str(err.value)
+    with pytest.raises(ConfigError, match="mode=plan_layouts"):
+        derive(compose_config([*run, "mode=plan_layouts"]))
 
 
 @pytest.mark.parametrize("overrides,share", [

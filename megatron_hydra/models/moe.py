@@ -148,7 +148,7 @@ class Router(nn.Module):
     @torch.no_grad()
     def count(self, indices: torch.Tensor) -> None:
         """Add a forward's choices to the load the next bias update balances."""
-        self.routed_since_update += torch.bincount(indices.reshape(-1), minlength=self.spec.num_experts)
+        self.routed_since_update += expert_dispatch.expert_counts(indices, self.spec.num_experts)
 
     @torch.no_grad()
     def update_bias(self, group=None) -> None:
@@ -168,7 +168,7 @@ def router_losses(routing: Routing, spec: MoESpec, group=None) -> Tuple[Optional
     over it, so every share is formed with the whole micro-batch's f_e and T."""
     e, k = spec.num_experts, spec.top_k
     lse = torch.logsumexp(routing.logits, -1)
-    local = torch.cat([torch.bincount(routing.indices.reshape(-1), minlength=e).double(),
+    local = torch.cat([expert_dispatch.expert_counts(routing.indices, e).double(),
                        routing.probs.detach().sum(0).double(), lse.detach().double().pow(2).sum().view(1),
                        lse.new_full((1,), lse.shape[0], dtype=torch.float64)])
     total = C.all_reduce(local, group)

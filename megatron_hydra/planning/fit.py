@@ -18,7 +18,6 @@ that fit are named, else the largest savings.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Callable, Iterator, List, Tuple
 
 from megatron_hydra.config.derive import Derived, derive
@@ -26,8 +25,6 @@ from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning.context_parallel import LONG_SEQUENCE
 from megatron_hydra.planning.memory import GIB, PLANNED_ARCHS, MemoryPlan, plan_memory
-
-log = logging.getLogger("megatron_hydra")
 
 
 def _set(key: str, value) -> Callable[[RunConfig], None]:
@@ -86,9 +83,6 @@ def fixes(cfg: RunConfig, derived: Derived, plan: MemoryPlan) -> List[str]:
 def check_fits(cfg: RunConfig, derived: Derived) -> None:
     """Raise a one-line ConfigError when the run's memory plan exceeds a device."""
     if cfg.model.arch not in PLANNED_ARCHS:
-        return
-    if derived.transformer.moe is not None:
-        log.warning("no memory check: the memory plan does not count Mixture-of-Experts layers (model.moe)")
         return
     plan = plan_memory(cfg, derived)
     if plan.fits:

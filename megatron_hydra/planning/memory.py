@@ -24,7 +24,8 @@ flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
 weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
 parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four are sharded and a
-working set of gathered blocks is added: ``planning.fsdp``.
+working set of gathered blocks is added: ``planning.fsdp``. Mixture-of-Experts models (experts per
+EP rank, their own buckets, their activations): ``planning.moe``.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"). Per layer and micro-batch, s = sequence, b = micro-batch, h = hidden, a = heads,
@@ -194,12 +195,15 @@ def _chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: boo
 
 def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int) -> List[int]:
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
-    layers, in the model's parameter order."""
-    shape_only = dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
-                                     recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
-                                     transformer_impl="local", fp8=None, context_parallel_size=1,
-                                     cp_comm_type="p2p")  # the same logical tensors
-    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only, num_layers, pre, post)]
+    layers, in the model's parameter order (a dense model; ``planning.moe`` for experts)."""
+    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only(tcfg), num_layers, pre, post)]
+
+
+def shape_only(tcfg: TransformerConfig) -> TransformerConfig:
+    """``tcfg`` with what does not change the logical tensors reset (a cache key for the builds)."""
+    return dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
+                               transformer_impl="local", fp8=None, context_parallel_size=1, cp_comm_type="p2p")
 
 
 def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:
@@ -328,7 +332,8 @@ def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> Lis
     communicator, even where two groups hold the same ranks)."""
     names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("cp", derived.cp),
                                       ("dp_cp", derived.dp * derived.cp),
-                                      ("model", derived.tp * derived.pp), ("world", derived.world_size)) if size > 1]
+                                      ("model", derived.tp * derived.pp), ("world", derived.world_size), ("ep", derived.ep),
+                                      ("edp_cp", derived.dp * derived.cp // derived.ep * (derived.ep > 1))) if size > 1]
     if derived.pp > 1 and tied and first_or_last:
         names.append("embedding")
     return names
@@ -501,16 +506,20 @@ def rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int) -> RankMemory:
 def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, outside) -> RankMemory:
     tc = derived.transformer
     chunks = rank_chunks(cfg, derived, pp_rank)
-    numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
+    gathered, moe = 0, tc.moe is not None
+    numels = [] if moe else [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
     params = sum(numels)
-    if cfg.parallel.data_parallel == "fsdp":
+    if moe:
+        from megatron_hydra.planning.moe import rank_state
+
+        params, (weights, grads, main, optimizer) = rank_state(cfg, derived, pp_rank, chunks)
+    elif cfg.parallel.data_parallel == "fsdp":
         from megatron_hydra.planning.fsdp import chunk_params, fsdp_state_bytes
 
         held = [p for layers, pre, post in chunks for p in chunk_params(tc, layers, pre, post, derived.tp)]
         weights, grads, main, optimizer, gathered = fsdp_state_bytes(held, tc.params_dtype, derived.dp * derived.cp,
                                                                      derived.pp, derived.num_microbatches)
     else:
-        gathered = 0
         padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                     cfg.optim.distributed_optimizer)
         weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
@@ -518,6 +527,9 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
     checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
     per_chunk = [_chunk_activations(n, tc, full, selective, checkpointed) for n, _, _ in chunks]
+    if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
+        from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
+        per_chunk = [(s + ds, r + dr) for (s, r), (ds, dr) in zip(per_chunk, deltas(cfg, derived, pp_rank, layer))]
     flight = in_flight(cfg.parallel.pipeline_schedule, derived.pp, derived.vpp, pp_rank, derived.num_microbatches)
     per_chunk_flight = math.ceil(flight / len(chunks))
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
