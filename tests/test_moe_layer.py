@@ -35,17 +35,9 @@ import torch.nn.functional as F
 from conftest import spawn_ranks
 from megatron_hydra.config.transformer_config import MoESpec, TransformerConfig
 from megatron_hydra.models import init
-from megatron_hydra.models.moe import (AuxLossScaler, MoELayer, Router, expert_parameter_name, local_experts,
-                                       router_losses)
+from megatron_hydra.models.moe import MoELayer, Router, expert_parameter_name, local_experts, router_losses
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.state import ParallelState
-
-
-@pytest.fixture(autouse=True)
-def default_aux_loss_scale(monkeypatch):
-    """The layer's own scale (1): a training step earlier in the same process (an MoE dry run)
-    leaves the routers' loss scale at its run's value."""
-    monkeypatch.setattr(AuxLossScaler, "scale", 1.0)
 
 
 E, H, FFN, SHARED, B, S = 8, 8, 12, 6, 2, 8
