@@ -122,11 +122,10 @@ from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning import context_parallel
+from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, HALF, shape_only, state_bytes
 from megatron_hydra.planning.flops import model_flops_per_step
 
 GIB = 2**30
-HALF = (torch.bfloat16, torch.float16)
-GATED_ACTIVATIONS = ("swiglu", "geglu")
 PLANNED_ARCHS = ("gpt",)  # the models whose chunks the plan builds (GPTModel)
 # A GPU config planned on a machine without one: the memory of an 80 GB A100/H100.
 ASSUMED_GPU_MEMORY_GB = 80.0
@@ -156,20 +155,6 @@ ALLOCATOR_FRAGMENTATION = 0.15
 
 # Byte rules -------------------------------------------------------------------------------------
 
-def state_bytes(numel: int, dtype: torch.dtype, shard: Optional[int] = None, padded: Optional[int] = None):
-    """(weights, grads, main weights, optimizer state) bytes of ``numel`` parameters on one rank.
-    ``shard``: the elements this rank's optimizer owns (distributed optimizer; default all);
-    ``padded``: the length of the flat buffers when padded for sharding (default ``numel``)."""
-    item = dtype.itemsize
-    shard = numel if shard is None else shard
-    length = numel if padded is None else padded
-    weights = length * item
-    grads = length * (4 if dtype in HALF else item)
-    main = shard * 4 if dtype in HALF else 0
-    optimizer = 2 * shard * (8 if dtype == torch.float64 else 4)
-    return weights, grads, main, optimizer
-
-
 def flat_buffer(numels: List[int], bucket_size: int, dp: int, distributed_optimizer: bool) -> Tuple[int, int]:
     """(padded length, this rank's shard) of the flat buffers over parameters of ``numels`` (in
     the model's parameter order), as ``parallel.data_parallel`` lays them out."""
@@ -197,13 +182,6 @@ def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
     layers, in the model's parameter order (a dense model; ``planning.moe`` for experts)."""
     return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only(tcfg), num_layers, pre, post)]
-
-
-def shape_only(tcfg: TransformerConfig) -> TransformerConfig:
-    """``tcfg`` with what does not change the logical tensors reset (a cache key for the builds)."""
-    return dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
-                               recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
-                               transformer_impl="local", fp8=None, context_parallel_size=1, cp_comm_type="p2p")
 
 
 def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:

@@ -38,6 +38,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
+from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, shape_only, state_bytes
 
 
 class _Numel:
@@ -75,7 +76,6 @@ def _chunk_params(tcfg: TransformerConfig, first: int, last: int, pre: bool, pos
 def chunk_params(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, tp: int,
                  ep: int) -> List[Tuple[int, bool]]:
     """(elements on one TP rank, is an expert parameter) of a chunk's parameters, in model order."""
-    from megatron_hydra.planning.memory import shape_only
 
     held = _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)
     return [(n // tp if sharded else n, expert) for n, sharded, expert in held]
@@ -101,7 +101,6 @@ def flat_buffer(params: List[Tuple[int, bool]], bucket_size: int, dp: int, ep: i
 
 def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[int, Tuple[int, int, int, int]]:
     """(parameters, (weights, grads, main weights, optimizer) bytes) of one rank of an MoE run."""
-    from megatron_hydra.planning.memory import state_bytes
 
     tc = derived.transformer
     params = [p for (_, pre, post), layers in zip(chunks, chunk_ranges(cfg, derived, pp_rank))
@@ -114,7 +113,6 @@ def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[
 
 def layer_delta_bytes(tc: TransformerConfig, layer: dict) -> float:
     """Bytes an MoE layer keeps beyond a dense layer of ``tc`` (``memory._layer_shape``'s ``layer``)."""
-    from megatron_hydra.planning.memory import GATED_ACTIVATIONS
 
     spec, t, v, h = tc.moe, layer["tp"], layer["value_bytes"], layer["hidden"]
     T = layer["seq"] / layer["cp"] * layer["micro_batch"]
