@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Dict, List
@@ -230,3 +231,21 @@ def rank1_failure_injector(tmp_path) -> Path:
         "    dist.init_process_group = _boom\n"
     )
     return inject
+
+
+class StubGroup:
+    """Stands for rank ``rank`` of a process group of ``size`` (answers the collectives' size/rank)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+
+@contextmanager
+def stub_groups():
+    """Collectives' ``group_size``/``group_rank`` read ``StubGroup``s: layers built for rank r of a
+    group, in one process, without a process group."""
+    from megatron_hydra.parallel import collectives as C
+
+    with mock.patch.object(C, "group_size", lambda g: 1 if g is None else g.size), \
+            mock.patch.object(C, "group_rank", lambda g: 0 if g is None else g.rank):
+        yield

@@ -16,17 +16,15 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from unittest import mock
 
 import pytest
 import torch
 
-from conftest import SMALL, compose_config
+from conftest import SMALL, StubGroup, compose_config, stub_groups
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models import init
 from megatron_hydra.models.gpt import GPTModel
-from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.state import ParallelState
 
 VOCAB = 300
@@ -40,18 +38,6 @@ VARIANTS = {
 SEED = 1234
 
 
-class StubGroup:
-    """Stands for rank ``rank`` of a TP group of ``size`` (answers the collectives' size/rank)."""
-
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
-
-
-@contextmanager
-def stub_groups():
-    with mock.patch.object(C, "group_size", lambda g: 1 if g is None else g.size), \
-            mock.patch.object(C, "group_rank", lambda g: 0 if g is None else g.rank):
-        yield
 
 
 def config(variant: str, tp: int) -> TransformerConfig:

@@ -25,14 +25,13 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import spawn_ranks
+from conftest import StubGroup, spawn_ranks, stub_groups
 from megatron_hydra.config.transformer_config import MoESpec, TransformerConfig
 from megatron_hydra.models import init
 from megatron_hydra.models.moe import MoELayer, Router, expert_parameter_name, local_experts, router_losses
@@ -316,16 +315,6 @@ def test_expert_bias_update_by_hand():
 
 
 # Initialisation and names ---------------------------------------------------------------------------
-class StubGroup:
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
-
-
-@contextmanager
-def stub_groups():
-    with mock.patch.object(C, "group_size", lambda g: 1 if g is None else g.size), \
-            mock.patch.object(C, "group_rank", lambda g: 0 if g is None else g.rank):
-        yield
 
 
 def test_logical_names():
