@@ -73,6 +73,16 @@ def test_ep_losses_equal_single_process(single, name, tmp_path):
         assert_same_trajectory(resumed, reference[5:], rel=1e-9)
 
 
+def test_capacity_dropping_is_deterministic_and_logged(tmp_path):
+    """With a capacity factor, two ep2 runs give the same losses bit for bit, and every step logs
+    the fraction of assignments dropped (capacity 0.5: at least half of them)."""
+    overrides = [*MOE, *ep(2, 2), "model.moe.capacity_factor=0.5", "trainer.max_steps=3"]
+    first = run_training(overrides, tmp_path / "a")
+    second = run_training(overrides, tmp_path / "b")
+    assert [r["loss"] for r in first] == [r["loss"] for r in second] and len(first) == 3
+    assert all(0.5 <= r["moe_dropped_fraction"] < 1 for r in first)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (ep(3, 4), "parallel.expert_parallel_size"),  # 8 experts (and dp 4) over 3 ranks
     (["parallel.expert_parallel_size=2", "trainer.devices=2", "model.moe=null"], "parallel.expert_parallel_size"),

@@ -273,7 +273,8 @@ class MoELayer(nn.Module):
 
     After each forward the module keeps, detached, ``aux_loss``, ``z_loss`` (the micro-batch's,
     coefficients included), ``tokens_per_expert`` ([E], the micro-batch's routed assignments) and
-    ``dropped`` (assignments this rank dropped by capacity). ``loss_group``: see
+    ``dropped`` and ``assigned`` (the (token, choice) assignments this rank dropped by capacity,
+    and all it routed). ``loss_group``: see
     ``router_losses``; "auto" is ``default_loss_group``."""
 
     def __init__(self, spec: MoESpec, hidden: int, activation: str, ps: ParallelState,
@@ -300,7 +301,7 @@ class MoELayer(nn.Module):
             shape = _SharedFFN(hidden, spec.shared_ffn_hidden_size, activation, bias, sequence_parallel, params_dtype)
             self.shared = MLP(shape, ps, device)
         self.aux_loss = self.z_loss = self.tokens_per_expert = None
-        self.dropped = 0
+        self.dropped = self.assigned = 0
         # d(training loss)/d(router losses) in the next backward (AuxLossScaler; set by the training step).
         self.aux_loss_scale = 1.0
 
@@ -333,7 +334,7 @@ class MoELayer(nn.Module):
         if spec.capacity_factor is not None:
             cap = expert_dispatch.capacity(x.shape[0], spec.top_k, spec.num_experts, spec.capacity_factor)
         plan = expert_dispatch.plan(indices, weights, spec.num_experts, group, cap)
-        self.dropped = plan.dropped
+        self.dropped, self.assigned = plan.dropped, indices.numel()
         y = self.experts(expert_dispatch.dispatch(x, plan, group), plan.expert_counts)
         return expert_dispatch.combine(y, plan, weights, x.shape[0], group)
 

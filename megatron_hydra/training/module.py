@@ -275,6 +275,8 @@ class LMModule(pl.LightningModule):
                        consumed_samples=float(self.consumed_samples))
         if moe_values:
             metrics.update(moe_aux_loss=moe_values[0], moe_load_imbalance=moe_values[1])
+            if self.derived.transformer.moe.capacity_factor is not None:
+                metrics["moe_dropped_fraction"] = moe_values[2]
         if self.peak_tflops is not None:
             metrics["mfu"] = 100.0 * tflops / self.peak_tflops  # percent of the device's dense peak
         if self.loss_scaler is not None:
@@ -288,7 +290,9 @@ class LMModule(pl.LightningModule):
     def _moe_metrics(self, device) -> list:
         """The last micro-batch's router losses summed over the MoE layers (aux + z, coefficients
         applied), and the worst layer's load imbalance: max / mean routed tokens per expert (1 =
-        balanced); over every pipeline stage (a sum and a max over the pp group)."""
+        balanced); over every pipeline stage (a sum and a max over the pp group). With a capacity
+        factor, also the fraction of (token, choice) assignments dropped, over every rank's last
+        micro-batch (TP ranks count the same tokens alike, which leaves the fraction unchanged)."""
         if self.derived.transformer.moe is None:
             return []
         aux = torch.zeros((), dtype=torch.float64, device=device)
@@ -299,7 +303,12 @@ class LMModule(pl.LightningModule):
             imbalance = torch.maximum(imbalance, counts.max() / counts.mean().clamp_min(1e-12))
         C.all_reduce(aux, self.ps.pp_group)
         C.all_reduce(imbalance, self.ps.pp_group, op=torch.distributed.ReduceOp.MAX)
-        return [aux, imbalance]
+        if self.derived.transformer.moe.capacity_factor is None:
+            return [aux, imbalance]
+        counts = torch.tensor([float(sum(m.dropped for m in self._moe)), float(sum(m.assigned for m in self._moe))],
+                              dtype=torch.float64, device=device)
+        C.all_reduce(C.all_reduce(counts, self.ps.group("amax")), self.ps.pp_group)  # every rank, every stage
+        return [aux, imbalance, counts[0] / counts[1].clamp_min(1.0)]
 
     # Validation ------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
