@@ -383,7 +383,7 @@ def test_gpu_fit_check_refuses_a_plan_that_fits_only_without_headroom():
 
 def test_moe_runs_are_planned_and_checked():
     """MoE models: mode=plan and the launcher's fit check plan them (experts per EP rank, their
-    activations); mode=plan_layouts refuses them in one line."""
+    activations)."""
     from megatron_hydra.planning.fit import check_fits
 
     run = ["model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "parallel=tp8", "precision=bf16",
@@ -403,8 +403,6 @@ def test_moe_runs_are_planned_and_checked():
         small = compose_config([*run, "trainer.device_memory_gb=20"])
         check_fits(small, derive(small))
     assert "\n" not in str(err.value) and "short by" in str(err.value)
-    with pytest.raises(ConfigError, match="mode=plan_layouts"):
-        derive(compose_config([*run, "mode=plan_layouts"]))
 
 
 @pytest.mark.parametrize("overrides,share", [

@@ -285,3 +285,64 @@ def test_llama3_8b_at_128k_tokens_plans_context_parallelism():
     words = [*base, "precision=bf16", "trainer=gpu", "trainer.devices=8", "trainer.num_nodes=8", *top.overrides]
     derived = derive(compose_config(words))
     assert (derived.world_size, derived.cp, derived.tp, derived.dp) == (64, top.layout.cp, top.layout.tp, top.layout.dp)
+
+
+# Mixture of Experts --------------------------------------------------------------------------------
+
+
+def _mixtral(*more: str):
+    cfg = compose_config(["model=mixtral_8x7b", "cluster=h100_80g_x1024", "data.global_batch_size=64",
+                          "trainer.devices=8", *more])
+    return cfg, derive(cfg).transformer
+
+
+@pytest.mark.parametrize("ep, recompute", [(2, None), (8, None), (8, "full")])
+def test_expert_all_to_all_time_is_its_volume(ep, recompute):
+    cfg, tc = _mixtral()
+    lay = Layout(tp=1, pp=1, dp=8, micro_batch=1, ep=ep, recompute=recompute)
+    # Each all-to-all sends (ep-1)/ep of the micro-batch's 4096 tokens x top-2 choices x h in bf16;
+    # dispatch + combine forward and backward (and the forward again under full recompute), in all
+    # 32 layers, for 64 / 8 = 8 micro-batches, over NVLink (ep ranks within a node).
+    volume = (ep - 1) / ep * 4096 * 2 * 4096 * 2
+    count = 6 if recompute else 4
+    expected = count * 32 * 8 * _transfer(volume, cfg.cluster.nvlink_gb_per_s)
+    assert estimate(tc, 64, lay, cfg.cluster).ep_comm == pytest.approx(expected, rel=1e-12)
+    assert estimate(tc, 64, dataclasses.replace(lay, ep=1), cfg.cluster).ep_comm == 0.0
+
+
+def test_moe_step_counts_the_active_flops_and_splits_expert_gradients():
+    from megatron_hydra.planning.flops import model_flops_per_step
+
+    cfg, tc = _mixtral()
+    lay = Layout(tp=1, pp=1, dp=8, micro_batch=1, ep=8, overlap_grad_reduce=False)
+    assert estimate(tc, 64, lay, cfg.cluster).model_flops == pytest.approx(model_flops_per_step(tc, 64), rel=1e-12)
+    # ep = dp: every rank holds its own expert, so only the dense weights (attention, routers,
+    # norms left out, one vocabulary table on the fullest rank) are all-reduced, in fp32 over 8 ranks.
+    h, g = 4096, 8
+    dense = 32 * (h * (32 + 2 * g) * 128 + 32 * 128 * h + h * 8) + 32000 * h
+    expected = _transfer(7 / 8 * dense * 2 * 4, cfg.cluster.nvlink_gb_per_s) + CALIBRATED.latency_s
+    assert estimate(tc, 64, lay, cfg.cluster).dp_comm == pytest.approx(expected, rel=1e-12)
+    # ep = 1: the experts' gradients (8 of 3 h f per layer) are all-reduced as well.
+    experts = 32 * 8 * 3 * h * 14336
+    more = _transfer(7 / 8 * experts * 2 * 4, cfg.cluster.nvlink_gb_per_s) + CALIBRATED.latency_s
+    assert estimate(tc, 64, dataclasses.replace(lay, ep=1), cfg.cluster).dp_comm == pytest.approx(expected + more,
+                                                                                                  rel=1e-12)
+
+
+def test_moe_layouts_search_expert_parallelism_and_their_commands_derive():
+    cfg, _ = _mixtral("cluster.num_nodes=2")
+    opts = Options(micro_batches=(1,), recompute=(None, "full"), sequence_parallel=(True,),
+                   distributed_optimizer=(True,), data_parallel=("ddp", "fsdp"), max_vpp=1)
+    found = list(layouts(cfg, cfg.cluster, opts))
+    assert not any(lay.fsdp for lay in found)  # config.moe: no FSDP with experts
+    assert {lay.ep for lay in found if lay.tp == 2 and lay.pp == 1} == {1, 2, 4, 8}  # dp 8: every divisor of 8 experts
+    assert all(lay.dp % lay.ep == 0 and 8 % lay.ep == 0 for lay in found)
+    best = plan_layouts(cfg, cfg.cluster, Options(micro_batches=(1,), recompute=("full",), sequence_parallel=(True,),
+                                                  distributed_optimizer=(True,), data_parallel=("ddp",), max_vpp=1))
+    assert any(c.layout.ep > 1 for c in best)
+    for cand in best[:3]:
+        words = ["model=mixtral_8x7b", "data.global_batch_size=64", "precision=bf16", "trainer=gpu",
+                 "trainer.devices=8", "trainer.num_nodes=2", *cand.overrides]
+        derived = derive(compose_config(words))
+        assert (derived.world_size, derived.ep, derived.tp, derived.pp) == (16, cand.layout.ep, cand.layout.tp,
+                                                                            cand.layout.pp)

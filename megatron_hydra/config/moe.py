@@ -66,9 +66,6 @@ def moe_spec(cfg: RunConfig, ffn: int, dp: int, tp: int, cp: int) -> Tuple[Optio
     if cp > 1 and par.sequence_parallel:
         raise ConfigError("model.moe with both parallel.context_parallel_size > 1 and parallel.sequence_parallel "
                           "is not supported (the router's losses would need a cp x tp group): turn one off")
-    if cfg.mode == "plan_layouts":
-        raise ConfigError("mode=plan_layouts does not search Mixture-of-Experts layouts yet (expert parallelism, "
-                          "the all-to-all's time): plan one layout with mode=plan or mode=dry_run")
     spec = MoESpec(num_experts=moe.num_experts, ffn_hidden_size=expert_ffn, top_k=moe.top_k, router=moe.router,
                    norm_topk=moe.norm_topk, aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff,
                    expert_bias_rate=moe.expert_bias_rate, capacity_factor=moe.capacity_factor,

@@ -6,7 +6,8 @@ parallel within a node (``tp`` divides the GPUs per node), pipeline stages, virt
 parallelism and the distributed optimizer, and for long sequences (``model.seq_length`` of
 ``Options.cp_min_seq_length`` or more) context parallelism: powers of two from 2 up to
 ``Options.max_cp``, ring (p2p) or Ulysses (a2a) exchanges; data parallelism takes the remaining
-GPUs. A layout is kept only if ``derive`` accepts it and the memory plan
+GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: every ``ep`` up to
+``Options.max_ep`` that divides both the experts and dp. A layout is kept only if ``derive`` accepts it and the memory plan
 (``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
 are ranked by the step time of ``planning.performance`` and the best are printed with the command
 that runs each.
@@ -52,6 +53,7 @@ class Options:
     cp_min_seq_length: int = LONG_SEQUENCE
     max_cp: int = 32
     cp_comm_types: Sequence[str] = ("p2p", "a2a")
+    max_ep: int = 64
 
 
 def _divisors(n: int) -> List[int]:
@@ -72,6 +74,15 @@ def _context_parallel(cfg: RunConfig, world: int, opts: Options) -> List[Tuple[i
     return out
 
 
+def _expert_parallel(cfg: RunConfig, dp: int, opts: Options) -> List[int]:
+    """Expert-parallel degrees to check: 1 for a dense model; else the divisors of dp that divide
+    the experts (``config.moe``), up to ``opts.max_ep``."""
+    moe = cfg.model.moe
+    if moe is None:
+        return [1]
+    return [ep for ep in _divisors(dp) if ep <= opts.max_ep and moe.num_experts % ep == 0]
+
+
 def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -> Iterator[Layout]:
     """Every layout shape worth checking; ``derive`` rejects the ones the model cannot take."""
     world = cluster.gpus_per_node * cluster.num_nodes
@@ -84,18 +95,19 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
         for pp in (k for k in _divisors(layers) if world % (tp * cp * k) == 0):
             dp = world // (tp * cp * pp)
             vpps = [1] + ([v for v in _divisors(layers // pp) if 1 < v <= opts.max_vpp] if pp > 1 else [])
-            for b, vpp, rc, sp, do, mode in itertools.product(opts.micro_batches, vpps, opts.recompute,
-                                                              opts.sequence_parallel, opts.distributed_optimizer,
-                                                              opts.data_parallel):
+            for b, vpp, rc, sp, do, mode, ep in itertools.product(
+                    opts.micro_batches, vpps, opts.recompute, opts.sequence_parallel, opts.distributed_optimizer,
+                    opts.data_parallel, _expert_parallel(cfg, dp, opts)):
                 fsdp = mode == "fsdp"
                 if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp * cp == 1) or (do and fsdp)
+                        or (fsdp and cfg.model.moe is not None)  # config.moe: no FSDP with experts
                         or (fsdp and vpp > 1)  # config.derive: FSDP runs 1F1B
                         or (sp and cp > 1 and seq % (2 * cp * tp))  # and CP's chunks split over tp
                         or (rc == "selective" and cp > 1)):  # the same run as none: CP attention is not replayed
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
                              distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
-                             cp=cp, cp_comm=comm)
+                             cp=cp, cp_comm=comm, ep=ep)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
@@ -105,6 +117,8 @@ def overrides(layout: Layout) -> Tuple[str, ...]:
         out.append(f"parallel.context_parallel_size={layout.cp}")
         if layout.cp_comm != "p2p":
             out.append(f"parallel.cp_comm_type={layout.cp_comm}")
+    if layout.ep > 1:
+        out.append(f"parallel.expert_parallel_size={layout.ep}")
     if layout.vpp > 1:
         out += [f"parallel.virtual_pipeline_size={layout.vpp}", "parallel.pipeline_schedule=interleaved_1f1b"]
     if layout.sequence_parallel:
@@ -123,7 +137,7 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     out = copy.deepcopy(cfg)
     par = out.parallel
     par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size = layout.tp, layout.pp, layout.cp
-    par.cp_comm_type = layout.cp_comm
+    par.cp_comm_type, par.expert_parallel_size = layout.cp_comm, layout.ep
     par.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     par.pipeline_schedule = "interleaved_1f1b" if layout.vpp > 1 else "1f1b"
     par.sequence_parallel, par.layers_per_stage = layout.sequence_parallel, None
@@ -178,7 +192,10 @@ def describe(layout: Layout) -> str:
     parts = [f"tp={layout.tp}", f"pp={layout.pp}"]
     if layout.cp > 1:
         parts.append(f"cp={layout.cp}" + ("" if layout.cp_comm == "p2p" else f" {layout.cp_comm}"))
-    parts += [f"dp={layout.dp}", f"mb={layout.micro_batch}"]
+    parts.append(f"dp={layout.dp}")
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
+    parts.append(f"mb={layout.micro_batch}")
     if layout.vpp > 1:
         parts.append(f"vpp={layout.vpp}")
     parts.append(f"recompute={layout.recompute or 'none'}")
@@ -205,7 +222,7 @@ def report(cfg: RunConfig, cluster: ClusterConfig, found: List[Candidate], base:
                  f" {'bubble':>7} {'comm':>6} {'mem GiB':>8}")
     for i, cand in enumerate(found[:top], 1):
         st = cand.step
-        comm = (st.tp_comm + st.pp_comm + st.dp_comm + st.cp_comm) / st.total
+        comm = (st.tp_comm + st.pp_comm + st.dp_comm + st.cp_comm + st.ep_comm) / st.total
         lines.append(f"{i:>2}  {describe(cand.layout):<{width}} {st.total:>8.2f} {st.tokens_per_s:>10.0f} "
                      f"{st.model_tflops_per_gpu:>18.1f} {st.tflops_per_gpu:>15.1f} {st.bubble / st.total:>7.1%} "
                      f"{comm:>6.1%} {cand.peak_bytes / 2**30:>8.1f}")

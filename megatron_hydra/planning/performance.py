@@ -49,6 +49,16 @@ replaying it would only repeat its exchanges). The CP group's members are
 ``t`` ranks apart (tp innermost, then cp, dp, pp): NVLink when ``t c`` fits in a node, else
 InfiniBand. On the critical path like the tensor-parallel collectives.
 
+Mixture of Experts (``tc.moe``; expert-parallel degree ``ep`` carved from ``d``): in an MoE layer
+the dense MLP's FLOPs are replaced by what a token runs through (the router's ``2 h E``, ``k``
+experts of ffn size ``f_e`` and the shared expert, TP-sharded like the MLP), and its memory-bound
+``2 f / t`` by ``2 (k f_e + f_s) / t``. Per MoE layer and micro-batch the tokens travel to their
+experts and back: 2 all-to-alls in the forward (dispatch, combine), 2 in the backward, 2 more when
+the forward is recomputed, each moving ``(ep-1)/ep * T k h e`` bytes per GPU (``T = b s / c``: every
+TP rank of an EP rank dispatches all of the micro-batch's tokens; balanced routing assumed) over a
+group spanning ``t c ep`` consecutive ranks; on the critical path, not overlapped. Expert weights
+are ``1/ep`` per GPU and their gradients reduce over the ``d c / ep`` ranks holding the same experts.
+
 Data parallelism: a ring all-reduce of the GPU's fp32 gradients over the ``d c`` ranks that hold
 the same weights, ``2 (dc-1)/(dc) * 4 P_gpu`` bytes per GPU (with the distributed optimizer a
 reduce-scatter of the same gradients plus an all-gather of bf16 weights:
@@ -64,7 +74,8 @@ Calibration. ``eta`` (the achieved fraction of peak of large bf16 matmuls) and `
 times the counted element passes the memory-bound kernels really make) were fitted once, by least
 squares on the relative error of TFLOP/s per GPU, to the ten rows of Narayanan et al. 2021
 (SC21), Table 1 (``planning.sc21``), and nothing else; ``benchmarks/planner_sc21.py`` prints the
-fit's per-row error. Those runs had ``c = 1``: the context-parallel terms are not calibrated.
+fit's per-row error. Those runs had ``c = 1`` and no experts: the context- and expert-parallel
+terms are not calibrated.
 """
 
 from __future__ import annotations
@@ -107,6 +118,7 @@ class Layout:
     fsdp: bool = False  # parallel.data_parallel=fsdp
     cp: int = 1  # parallel.context_parallel_size
     cp_comm: str = "p2p"  # parallel.cp_comm_type: p2p | a2a
+    ep: int = 1  # parallel.expert_parallel_size
 
 
 @dataclass(frozen=True)
@@ -123,10 +135,11 @@ class StepTime:
     gpus: int
     tokens: int
     cp_comm: float = 0.0
+    ep_comm: float = 0.0  # expert-parallel all-to-alls
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.cp_comm
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.cp_comm + self.ep_comm
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -142,10 +155,31 @@ class StepTime:
         return self.tokens / self.total
 
 
+def _mlp_units(tc: TransformerConfig) -> int:
+    return 3 if tc.activation in ("swiglu", "geglu") else 2
+
+
+def _moe_fraction(tc: TransformerConfig) -> float:
+    """The share of layers whose MLP is a Mixture of Experts."""
+    return len(tc.moe_layers) / tc.num_layers if tc.moe is not None else 0.0
+
+
+def _mlp_widths(tc: TransformerConfig) -> tuple:
+    """(ffn width a token runs through in a dense layer, in an MoE layer: k experts + shared)."""
+    moe = tc.moe
+    routed = moe.top_k * moe.ffn_hidden_size + moe.shared_ffn_hidden_size if moe is not None else 0
+    return tc.ffn_hidden_size, routed
+
+
 def _layer_fwd_flops_per_token(tc: TransformerConfig) -> tuple:
-    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward."""
+    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward,
+    averaged over the layers (MoE layers: router and the experts a token runs through)."""
     h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
-    dense = 2 * (h * (a + 2 * g) * k + a * k * h + (3 if tc.activation == "swiglu" else 2) * h * tc.ffn_hidden_size)
+    dense_f, moe_f = _mlp_widths(tc)
+    x = _moe_fraction(tc)
+    router = 2 * h * tc.moe.num_experts if tc.moe is not None else 0
+    mlp = 2 * _mlp_units(tc) * h * ((1 - x) * dense_f + x * moe_f) + x * router
+    dense = 2 * (h * (a + 2 * g) * k + a * k * h) + mlp
     return float(dense), float(4 * tc.seq_length * a * k)
 
 
@@ -158,14 +192,30 @@ def _group_link(cluster: ClusterConfig, span: int) -> float:
     return cluster.nvlink_gb_per_s if span <= cluster.gpus_per_node else cluster.ib_gb_per_s
 
 
-def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> float:
-    """Weights on the most loaded GPU (a middle stage has layers only; the embedding stages have
-    the vocabulary too): enough for the gradient volume."""
+def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
+    """(dense, expert) weights on the most loaded GPU (a middle stage has layers only; the
+    embedding stages have the vocabulary too): enough for the gradient volume. Expert weights are
+    1/ep per GPU; an MoE layer's router and shared expert count as dense."""
     h, k, a, g, f = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups, tc.ffn_hidden_size
-    layer = h * (a + 2 * g) * k + a * k * h + (3 if tc.activation == "swiglu" else 2) * h * f
+    units, x, moe = _mlp_units(tc), _moe_fraction(tc), tc.moe
+    layer = h * (a + 2 * g) * k + a * k * h + (1 - x) * units * h * f
+    experts = 0.0
+    if moe is not None:
+        layer += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
+        experts = x * units * h * moe.ffn_hidden_size * moe.num_experts / lay.ep
     embedding = tc.padded_vocab_size * h
     layers = tc.num_layers / lay.pp
-    return (layers * layer + embedding) / lay.tp
+    return (layers * layer + embedding) / lay.tp, layers * experts / lay.tp
+
+
+def ep_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants) -> float:
+    """Seconds of one MoE layer's all-to-alls per micro-batch on one GPU (module docstring)."""
+    if tc.moe is None or lay.ep == 1:
+        return 0.0
+    tokens = lay.micro_batch * tc.seq_length / lay.cp
+    volume = (lay.ep - 1) / lay.ep * tokens * tc.moe.top_k * tc.hidden_size * ACT_BYTES
+    count = 4 + (2 if lay.recompute == "full" else 0)
+    return count * _ring_time(volume, _group_link(cluster, lay.tp * lay.cp * lay.ep), c)
 
 
 def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: ClusterConfig,
@@ -181,6 +231,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     # One layer, one micro-batch, on one GPU: forward matmul and memory-bound seconds.
     mm_dense, mm_attn = tokens_mb * dense / t / peak, tokens_mb * attn / t / peak
     h_rep = h / t if lay.sequence_parallel else h
+    x = _moe_fraction(tc)
+    f = (1 - x) * f + x * _mlp_widths(tc)[1]
     mem_h = c.kappa * ACT_BYTES * tokens_mb * (c.c_h * h_rep + 2 * f / t) / hbm
     mem_s = c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
     fwd = mm_dense + mm_attn + mem_h + mem_s
@@ -201,6 +253,7 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         tp_layer = 0.0
     tp_stage = layers_per_gpu * tp_layer
     cp_stage = layers_per_gpu * cp_layer_seconds(tc, lay, cluster, c, block_attention=(mm_attn + mem_s) / cp)[1]
+    ep_stage = layers_per_gpu * _moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
 
     # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
     busy = m * stage_time
@@ -213,15 +266,20 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         pp_comm = 0.0
     tp_comm = (m + (p - 1) / v) * tp_stage
     cp_comm = (m + (p - 1) / v) * cp_stage
+    ep_comm = (m + (p - 1) / v) * ep_stage
 
     # Data-parallel gradient reduction, over the d x cp ranks that hold the same weights.
     dp_comm, dc = 0.0, d * cp
     if dc > 1 and lay.fsdp:
         dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd)
     elif dc > 1:
-        params = _params_per_gpu(tc, lay)
-        volume = (dc - 1) / dc * params * ((GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES)
-        dp_comm = _ring_time(volume, _group_link(cluster, t * dc), c, messages=2)
+        dense_params, expert_params = _params_per_gpu(tc, lay)
+        per_param = (GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES
+        dp_comm = _ring_time((dc - 1) / dc * dense_params * per_param, _group_link(cluster, t * dc), c, messages=2)
+        edc = dc // lay.ep  # the ranks holding the same experts
+        if expert_params and edc > 1:
+            dp_comm += _ring_time((edc - 1) / edc * expert_params * per_param, _group_link(cluster, t * dc), c,
+                                  messages=2)
         if lay.overlap_grad_reduce:
             backward_of_last = layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd
             dp_comm = max(0.0, dp_comm - backward_of_last)
@@ -232,7 +290,7 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     recompute_flops = global_batch * s * tc.num_layers * replayed
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
-                    tokens=global_batch * s, cp_comm=cp_comm)
+                    tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm)
 
 
 def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
@@ -259,7 +317,7 @@ def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterCon
     gathers are prefetched under the micro-batch's own compute, which hides them up to its length.
     The fp32 gradients are reduce-scattered once, after the last micro-batch, under its backward."""
     d = lay.dp * lay.cp
-    params = _params_per_gpu(tc, lay)
+    params = sum(_params_per_gpu(tc, lay))
     blocks = tc.num_layers / lay.pp + 1
     gathers = 2 if lay.pp == 1 else 1
     link = _group_link(cluster, lay.tp * d)
