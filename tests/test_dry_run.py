@@ -82,16 +82,22 @@ def test_moe_steps_on_the_fake_group_within_plan(overrides, ranks):
         assert result.host_syncs == []
 
 
-def test_moe_activations_per_layer_match_the_plan():
+@pytest.mark.parametrize("layout", [
+    ("parallel.sequence_parallel=true", "parallel.expert_parallel_size=2"),
+    # whole experts, each TP rank routing its slice of the replicated tokens; ep over tp x dp
+    ("parallel.sequence_parallel=false", "parallel.expert_parallel_size=4", "parallel.expert_tensor_parallel_size=1"),
+], ids=["tp2_sp_ep2", "tp2_ep4_whole_experts"])
+def test_moe_activations_per_layer_match_the_plan(layout):
     """One more MoE layer's bytes at the step's peak (fake tensors, balanced routing) against the
-    plan's MoE terms (planning.moe), at tp2 + sp x ep2 with a shared expert."""
+    plan's MoE terms (planning.moe), at tp2 with a shared expert: experts split over TP (sp, ep2)
+    and whole (ep4)."""
     from megatron_hydra.planning.memory import _layer_shape, activation_bytes_per_layer
     from megatron_hydra.planning.moe import layer_delta_bytes
 
     peaks = {}
     for layers in (2, 6):
-        cfg, derived = _cfg("model=moe_tiny", "trainer.devices=4", "parallel=tp2", "parallel.sequence_parallel=true",
-                            "parallel.expert_parallel_size=2", "model.moe.shared_ffn_hidden_size=512",
+        cfg, derived = _cfg("model=moe_tiny", "trainer.devices=4", "parallel=tp2", *layout,
+                            "model.moe.shared_ffn_hidden_size=512",
                             "data.micro_batch_size=1", "data.global_batch_size=2", f"model.num_layers={layers}",
                             "precision=bf16", "model.hidden_size=512", "model.num_attention_heads=8",
                             "model.seq_length=512", "model.vocab_size=256", "mode=dry_run")
@@ -99,7 +105,8 @@ def test_moe_activations_per_layer_match_the_plan():
         peaks[layers] = result.peak_bytes - result.static_bytes
     measured = (peaks[6] - peaks[2]) / 4
     layer = _layer_shape(cfg, derived)
-    planned = activation_bytes_per_layer(**layer) + layer_delta_bytes(derived.transformer, {**layer, "ep": derived.ep})
+    shape = {**layer, "ep": derived.ep, "whole_experts": derived.etp is not None}
+    planned = activation_bytes_per_layer(**layer) + layer_delta_bytes(derived.transformer, shape)
     assert measured == pytest.approx(planned, rel=0.02)
 
 

@@ -64,6 +64,10 @@ MOE_LAYOUTS = {
                                            "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
     "pp2_shared_expert": ["parallel=pp2", "trainer.devices=2", "model.moe.layer_freq=[0,0,1,1]",
                           "model.moe.shared_ffn_hidden_size=32"],
+    # Whole experts: ep2 inside each TP pair, expert buckets over the 2 ranks of each TP position.
+    "tp2_dp2_whole_experts_ep2_distributed_optimizer": [
+        "trainer.devices=4", "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2",
+        "parallel.expert_tensor_parallel_size=1", "optim.distributed_optimizer=true", "parallel.grad_bucket_size=3000"],
 }
 
 

@@ -167,7 +167,7 @@ def run_case(case, ps: ParallelState) -> dict:
         g = p.grad.clone()
         if p.sequence_parallel:
             C.all_reduce(g, ps.tp_group)
-        C.all_reduce(g, ps.expert_dp_group if expert and ps.ep > 1 else ps.group("dp"))
+        C.all_reduce(g, ps.expert_dp_group if expert and ps.expert_dp_group is not None else ps.group("dp"))
         pieces = local_experts(name, p) if expert else [(name, p.detach(), p.tp_partition_dim)]
         for i, (logical, value, dim) in enumerate(pieces):
             ref_value = P[logical].detach()
@@ -196,12 +196,17 @@ CASES = {
         dict(name="ep2-sigmoid-relu-capacity-shared", ep=2, act="relu", router="sigmoid", capacity=1.0, shared=True),
         dict(name="tp2-softmax-swiglu-bias-aux", tp=2, act="swiglu", bias=True, aux=True),
         dict(name="tp2-sp-sigmoid-gelu-shared-aux", tp=2, sp=True, act="gelu", router="sigmoid", shared=True,
-             aux=True)],
+             aux=True),
+        dict(name="tp2-whole-experts-softmax-swiglu-bias-aux", tp=2, etp=1, act="swiglu", bias=True, aux=True)],
     4: [dict(name="ep4-softmax-gelu-aux", ep=4, act="gelu", aux=True),
         dict(name="ep2-dp4-swiglu-capacity-aux", ep=2, act="swiglu", capacity=1.0, aux=True),
         dict(name="ep2-tp2-sp-sigmoid-swiglu-shared-capacity-bias-aux", ep=2, tp=2, sp=True, act="swiglu",
              router="sigmoid", shared=True, capacity=1.0, bias=True, aux=True),
-        dict(name="ep2-tp2-softmax-gelu-bias", ep=2, tp=2, act="gelu", bias=True)],
+        dict(name="ep2-tp2-softmax-gelu-bias", ep=2, tp=2, act="gelu", bias=True),
+        # (no capacity: with whole experts each TP rank drops from its own slice, the reference from all)
+        dict(name="ep2-tp2-sp-whole-experts-sigmoid-swiglu-shared-bias", ep=2, tp=2, etp=1, sp=True,
+             act="swiglu", router="sigmoid", shared=True, bias=True, aux=True),
+        dict(name="ep4-over-dp2-tp2-whole-experts-softmax-gelu-aux", ep=4, tp=2, etp=1, act="gelu", aux=True)],
 }
 
 
@@ -210,7 +215,7 @@ def _worker(rank: int, world: int):
     results = {}
     for case in CASES[world]:
         tp = case.get("tp", 1)
-        ps = ParallelState.build(tp=tp, dp=world // tp, ep=case.get("ep", 1))
+        ps = ParallelState.build(tp=tp, dp=world // tp, ep=case.get("ep", 1), etp=case.get("etp"))
         results[case["name"]] = run_case(case, ps)
     return results
 

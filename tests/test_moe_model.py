@@ -3,7 +3,8 @@
 Every run goes through the launch path in float64 and logs the single process's per-step losses
 and grad norms (the load-balancing loss included) to 1e-9 over 10 steps, dropless: ep2 and ep4,
 ep2 x tp2 with sequence parallelism, ep2 x pp2 (1F1B), ep2 with the distributed optimizer,
-tp2 x ep2 x dp2 on 8 ranks, and ep2 x cp2. Between them the runs cover softmax and sigmoid routing
+tp2 x ep2 x dp2 on 8 ranks, ep2 x cp2, and whole experts (expert_tensor_parallel_size=1) with ep4
+spanning tp2 x dp2, and ep2 inside each TP pair with the distributed optimizer. Between them the runs cover softmax and sigmoid routing
 (DeepSeek's aux-free bias, which must follow the same path on every rank), a shared expert, the
 z-loss and a layer list. Checkpoints reshard across expert parallelism: an ep2 checkpoint resumes at
 ep1, an ep1 checkpoint at ep4 with the distributed optimizer, both on the single run's
@@ -43,6 +44,12 @@ LAYOUTS = {  # name -> (routing form, layout)
     "ep2_distopt": ("mixtral", ep(2, 2, "optim.distributed_optimizer=true")),
     "tp2_ep2_dp2": ("deepseek", ep(2, 8, "parallel.tensor_parallel_size=2", "recompute.granularity=full")),
     "ep2_cp2": ("mixtral", ep(2, 4, "parallel.context_parallel_size=2")),
+    # Whole experts (expert_tensor_parallel_size=1): EP spans tp ranks; each TP rank routes its slice.
+    "ep4_over_tp2_dp2_whole": ("mixtral", ep(4, 4, "parallel.tensor_parallel_size=2",
+                                             "parallel.expert_tensor_parallel_size=1")),
+    "ep2_tp2_dp2_whole_distopt": ("deepseek", ep(2, 4, "parallel.tensor_parallel_size=2",
+                                                 "parallel.expert_tensor_parallel_size=1",
+                                                 "optim.distributed_optimizer=true")),
 }
 
 
@@ -85,6 +92,9 @@ def test_capacity_dropping_is_deterministic_and_logged(tmp_path):
 
 @pytest.mark.parametrize("overrides, key", [
     (ep(3, 4), "parallel.expert_parallel_size"),  # 8 experts (and dp 4) over 3 ranks
+    (ep(4, 2, "parallel.tensor_parallel_size=2"), "parallel.expert_parallel_size"),  # dp 1: ep4 needs whole experts
+    (["parallel.tensor_parallel_size=2", "trainer.devices=2", "parallel.expert_tensor_parallel_size=4"],
+     "parallel.expert_tensor_parallel_size"),
     (["parallel.expert_parallel_size=2", "trainer.devices=2", "model.moe=null"], "parallel.expert_parallel_size"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
     (["model.moe.router=hash"], "model.moe.router"),
@@ -92,7 +102,7 @@ def test_capacity_dropping_is_deterministic_and_logged(tmp_path):
     (["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
     (["trainer.devices=2", "parallel.data_parallel=fsdp"], "parallel.data_parallel"),
     (["model.transformer_impl=transformer_engine"], "model.transformer_impl"),
-], ids=["ep_not_dividing", "ep_without_moe", "top_k", "router", "layer_freq", "capacity", "fsdp", "te"])
+], ids=["ep_not_dividing", "ep_over_tp_needs_whole_experts", "etp_not_1_or_tp", "ep_without_moe", "top_k", "router", "layer_freq", "capacity", "fsdp", "te"])
 def test_bad_moe_configs_fail_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as err:
         derive(compose_config([*MOE, *overrides]))

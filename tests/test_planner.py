@@ -335,8 +335,13 @@ def test_moe_layouts_search_expert_parallelism_and_their_commands_derive():
                    distributed_optimizer=(True,), data_parallel=("ddp", "fsdp"), max_vpp=1)
     found = list(layouts(cfg, cfg.cluster, opts))
     assert not any(lay.fsdp for lay in found)  # config.moe: no FSDP with experts
-    assert {lay.ep for lay in found if lay.tp == 2 and lay.pp == 1} == {1, 2, 4, 8}  # dp 8: every divisor of 8 experts
-    assert all(lay.dp % lay.ep == 0 and 8 % lay.ep == 0 for lay in found)
+    split = [lay for lay in found if not lay.whole_experts]
+    assert {lay.ep for lay in split if lay.tp == 2 and lay.pp == 1} == {1, 2, 4, 8}  # dp 8: every divisor of 8 experts
+    assert all(lay.dp % lay.ep == 0 and 8 % lay.ep == 0 for lay in split)
+    # Whole experts (etp 1) carve ep from dp x tp: at tp8 x dp2, ep8 exceeds dp.
+    whole = [lay for lay in found if lay.whole_experts]
+    assert all(lay.tp > 1 and (lay.dp * lay.tp) % lay.ep == 0 for lay in whole)
+    assert {lay.ep for lay in whole if lay.tp == 8 and lay.pp == 1} == {1, 2, 4, 8}
     best = plan_layouts(cfg, cfg.cluster, Options(micro_batches=(1,), recompute=("full",), sequence_parallel=(True,),
                                                   distributed_optimizer=(True,), data_parallel=("ddp",), max_vpp=1))
     assert any(c.layout.ep > 1 for c in best)
@@ -346,3 +351,17 @@ def test_moe_layouts_search_expert_parallelism_and_their_commands_derive():
         derived = derive(compose_config(words))
         assert (derived.world_size, derived.ep, derived.tp, derived.pp) == (16, cand.layout.ep, cand.layout.tp,
                                                                             cand.layout.pp)
+        assert (derived.etp == 1) == cand.layout.whole_experts
+    lay = next(c.layout for c in best if c.layout.whole_experts)
+    assert derive(layout_config(cfg, cfg.cluster, lay)).etp == 1
+
+
+def test_whole_experts_dispatch_their_own_tokens():
+    cfg, tc = _mixtral()
+    split = Layout(tp=2, pp=1, dp=4, micro_batch=1, ep=2)
+    whole = dataclasses.replace(split, whole_experts=True)
+    # Each TP rank sends its half of the tokens, within its TP pair (NVLink either way).
+    assert estimate(tc, 64, whole, cfg.cluster).ep_comm == pytest.approx(
+        4 * 32 * 16 * _transfer(1 / 2 * 2048 * 2 * 4096 * 2, cfg.cluster.nvlink_gb_per_s), rel=1e-12)
+    assert estimate(tc, 64, split, cfg.cluster).ep_comm == pytest.approx(
+        4 * 32 * 16 * _transfer(1 / 2 * 4096 * 2 * 4096 * 2, cfg.cluster.nvlink_gb_per_s), rel=1e-12)

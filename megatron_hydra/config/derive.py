@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -71,6 +71,7 @@ class Derived:
     # data.global_batch_size, or its default when null (``global_batch_size``).
     global_batch_size: int = 0
     ep: int = 1  # expert-parallel degree, a factor of dp (parallel.expert_parallel_size)
+    etp: Optional[int] = None  # the experts' TP degree when it is not tp: 1 (parallel.expert_tensor_parallel_size)
 
 
 def _get(cfg: RunConfig, key: str):
@@ -534,4 +535,5 @@ def derive(cfg: RunConfig) -> Derived:
         world_size=world, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, num_microbatches=nmb,
         layers_per_stage=layers, transformer=transformer, split_samples=split_samples, global_batch_size=gbs,
         ep=par.expert_parallel_size,
+        etp=None if par.expert_tensor_parallel_size in (None, tp) else par.expert_tensor_parallel_size,
     )

@@ -1,4 +1,4 @@
-"""``model.moe`` and ``parallel.expert_parallel_size``: validated and turned into what the model
+"""``model.moe``, ``parallel.expert_parallel_size`` and ``expert_tensor_parallel_size``: validated and turned into what the model
 reads (``TransformerConfig.moe`` and ``moe_layers``). Part of ``config.derive``: pure, one-line
 ``ConfigError`` per violation."""
 
@@ -30,13 +30,19 @@ def _layers(freq, num_layers: int) -> Tuple[int, ...]:
 def moe_spec(cfg: RunConfig, ffn: int, dp: int, tp: int, cp: int) -> Tuple[Optional[MoESpec], Tuple[int, ...]]:
     """The experts of every MoE layer and which layers have them; (None, ()) for a dense model."""
     moe, ep, par = cfg.model.moe, cfg.parallel.expert_parallel_size, cfg.parallel
+    etp = par.expert_tensor_parallel_size
     if ep < 1:
         raise ConfigError(f"parallel.expert_parallel_size={ep} must be a positive integer")
+    if etp is not None and etp not in (1, tp):
+        raise ConfigError(f"parallel.expert_tensor_parallel_size={etp} must be 1 (whole experts) or "
+                          f"parallel.tensor_parallel_size={tp} (experts split like the dense MLP), or null (the latter)")
     if moe is None:
-        if ep > 1:
-            raise ConfigError(f"parallel.expert_parallel_size={ep} splits the experts of an MoE model, but "
-                              "model.moe is null: use an MoE model (model=moe_tiny) or set it to 1")
+        if ep > 1 or (etp is not None and etp != tp):
+            raise ConfigError(f"parallel.expert_parallel_size={ep} and expert_tensor_parallel_size={etp} split the "
+                              "experts of an MoE model, but model.moe is null: use an MoE model (model=moe_tiny) "
+                              "or leave them at 1 and null")
         return None, ()
+    whole = etp == 1 and tp > 1
     what = "model.moe"
     if cfg.model.arch != "gpt" or cfg.model.transformer_impl != "local":
         raise ConfigError(f"{what} runs the GPT family on model.transformer_impl=local; got model.arch="
@@ -55,11 +61,16 @@ def moe_spec(cfg: RunConfig, ffn: int, dp: int, tp: int, cp: int) -> Tuple[Optio
     expert_ffn = moe.ffn_hidden_size or ffn
     for key, size in (("model.moe.ffn_hidden_size", expert_ffn), ("model.moe.shared_ffn_hidden_size",
                                                                   moe.shared_ffn_hidden_size)):
-        if size < 0 or size % tp:
+        if size < 0 or (size % tp and not (whole and key == "model.moe.ffn_hidden_size")):
             raise ConfigError(f"{key}={size} must be a multiple of parallel.tensor_parallel_size={tp}")
-    if moe.num_experts % ep or dp % ep:
+    span, over = (dp * tp, "data- x tensor-parallel") if whole else (dp, "data-parallel")
+    if moe.num_experts % ep or span % ep:
         raise ConfigError(f"parallel.expert_parallel_size={ep} must divide model.moe.num_experts={moe.num_experts} "
-                          f"and the data-parallel size {dp} (experts are split over data-parallel ranks)")
+                          f"and the {over} size {span} (experts are split over those ranks)")
+    if whole and not par.sequence_parallel and (cfg.model.seq_length // cp) % tp:
+        raise ConfigError(f"parallel.expert_tensor_parallel_size=1 splits each rank's {cfg.model.seq_length // cp} "
+                          f"tokens over parallel.tensor_parallel_size={tp} ranks: use a model.seq_length that "
+                          "divides evenly, or parallel.sequence_parallel=true")
     if par.data_parallel != "ddp":
         raise ConfigError(f"parallel.data_parallel={par.data_parallel} is not supported with model.moe: use "
                           "parallel.data_parallel=ddp (with optim.distributed_optimizer for sharded state)")

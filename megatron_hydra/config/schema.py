@@ -96,6 +96,10 @@ class ParallelConfig:
     # Expert parallelism (model.moe): each MoE layer's experts split over this many data-parallel
     # ranks (a factor of dp), tokens dispatched to them by all-to-all.
     expert_parallel_size: int = 1
+    # The experts' tensor parallelism: null (= tensor_parallel_size: each expert split like the
+    # dense MLP) or 1 (whole experts; each TP rank routes its own tokens, and expert_parallel_size
+    # may then divide dp x tp instead of dp).
+    expert_tensor_parallel_size: Optional[int] = None
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"

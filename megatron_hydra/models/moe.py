@@ -9,6 +9,12 @@ region convention: it enters the region as a column-parallel layer does (all-gat
 sequence under SP) and leaves it with one reduction (reduce-scatter under SP), which covers every
 expert, because all TP ranks of an EP rank hold the same tokens and route them identically.
 
+Whole experts (``parallel.expert_tensor_parallel_size=1`` with tp > 1, ``ps.experts_split_over_tp``
+false): no expert is split over TP; each TP rank routes its own slice of the sequence (the one
+it holds under SP; without SP a slice cut from the replicated tokens, whose output is gathered
+back) and the EP group spans TP ranks too (``parallel.state.expert_group_ranks``), so small
+experts run as whole matmuls and expert parallelism can exceed dp.
+
 Routing is computed on the tokens as they arrive (under SP: this rank's sequence slice, whose
 routing is then gathered with the tokens), so that router gradients are exact without double
 counting: the combine weights enter the TP region like the tokens (their gradient, partial per TP
@@ -198,8 +204,11 @@ class Experts(nn.Module):
     is complete there and zero elsewhere: it is tagged to be summed over TP."""
 
     def __init__(self, num_experts: int, first: int, num_local: int, hidden: int, ffn: int, activation: str,
-                 tp_group=None, bias: bool = False, dtype: torch.dtype = torch.float32, device=None):
+                 tp_group=None, bias: bool = False, dtype: torch.dtype = torch.float32, device=None,
+                 split_over_tp: bool = True):
         super().__init__()
+        if not split_over_tp:  # whole experts (expert_tensor_parallel_size=1): nothing tagged as TP-sharded
+            tp_group = None
         tp = C.group_size(tp_group)
         if ffn % tp:
             raise ValueError(f"expert ffn_hidden_size={ffn} is not divisible by the tensor-parallel size {tp}")
@@ -208,7 +217,7 @@ class Experts(nn.Module):
         gated = activation in GATED
 
         def param(shape, dim, summed=False):
-            return expert_param(shape, dim, num_experts, first, dtype, device, summed)
+            return expert_param(shape, dim if split_over_tp else None, num_experts, first, dtype, device, summed)
 
         self.fc1 = param((num_local, f, hidden), 1)
         self.gate = param((num_local, f, hidden), 1) if gated else None
@@ -294,8 +303,9 @@ class MoELayer(nn.Module):
         self.loss_group = default_loss_group(ps, sequence_parallel) if loss_group == "auto" else loss_group
         self.router = Router(spec, hidden, params_dtype, device, sequence_parallel)
         local = e // ep
+        self.experts_split_over_tp = ps.experts_split_over_tp
         self.experts = Experts(e, ps.ep_rank * local, local, hidden, spec.ffn_hidden_size, activation, ps.tp_group,
-                               bias, params_dtype, device)
+                               bias, params_dtype, device, split_over_tp=ps.experts_split_over_tp)
         self.shared = None
         if spec.shared_ffn_hidden_size:
             shape = _SharedFFN(hidden, spec.shared_ffn_hidden_size, activation, bias, sequence_parallel, params_dtype)
@@ -312,15 +322,22 @@ class MoELayer(nn.Module):
         loss, (self.aux_loss, self.z_loss, self.tokens_per_expert) = router_losses(routing, self.spec, self.loss_group)
         if self.training and self.spec.expert_bias_rate:
             self.router.count(routing.indices)
-        # Every TP rank of this EP rank now holds the same tokens and routing.
-        tokens = enter_tp_region(x, tp_group, sp)
-        weights = enter_tp_region(routing.weights.view(b, s, k), tp_group, sp)
-        indices = routing.indices.view(b, s, k)
-        if sp:
-            indices = C.all_gather(indices, M.SEQ_DIM, tp_group)
+        weights, indices = routing.weights.view(b, s, k), routing.indices.view(b, s, k)
+        if self.experts_split_over_tp:  # every TP rank of this EP rank now holds the same tokens and routing
+            tokens, weights = enter_tp_region(x, tp_group, sp), enter_tp_region(weights, tp_group, sp)
+            if sp:
+                indices = C.all_gather(indices, M.SEQ_DIM, tp_group)
+        else:  # whole experts: each TP rank routes its own slice of the sequence (under SP, the one it has)
+            tokens = x
+            if not sp:
+                tokens, weights = M.split_sequence(x, tp_group), M.split_sequence(weights, tp_group)
+                indices = C.split(indices, M.SEQ_DIM, tp_group)
         y = self._routed(tokens.reshape(-1, h), indices.reshape(-1, k), weights.reshape(-1, k))
         y = y.to(x.dtype).view(tokens.shape)
-        out = M.reduce_scatter_to_sp(y, tp_group) if sp else M.reduce_from_tp(y, tp_group)
+        if self.experts_split_over_tp:
+            out = M.reduce_scatter_to_sp(y, tp_group) if sp else M.reduce_from_tp(y, tp_group)
+        else:
+            out = y if sp else M.gather_sequence(y, tp_group)
         if self.shared is not None:
             out = out + self.shared(x)
         if loss is not None and torch.is_grad_enabled():

@@ -11,7 +11,10 @@ expert-parallel group holds different experts, so their partial sum (by the same
 TP-sharded expert tensor on every TP rank, a TP-replicated one on TP rank 0) is first added over
 the ep group. With the distributed optimizer each rank holds a disjoint slice of the dense grads
 (over dp x cp) and of its experts' (over the expert data-parallel group); since dp x cp is the
-expert data-parallel group times the ep group, one sum over dp x cp covers both.
+expert data-parallel group times the ep group, one sum over dp x cp covers both. Whole experts
+(``expert_tensor_parallel_size=1``) are held by different TP ranks: each rank counts its own, the
+ep group's sum (which then spans TP ranks) is added on TP rank 0 only, and under the distributed
+optimizer the sums over tp and dp x cp cover every rank of the stage once.
 
 Nothing here reads a value on the host: the clip coefficient stays on the device and every step
 multiplies by it, clamped to at most 1 (``x * 1.0 == x`` exactly in IEEE arithmetic, NaN and inf
@@ -30,9 +33,13 @@ from megatron_hydra.parallel.state import ParallelState
 
 
 def counted(p: torch.nn.Parameter, ps: ParallelState) -> bool:
-    """Whether this rank's copy of ``p`` adds to the global norm (each logical element once)."""
+    """Whether this rank's copy of ``p`` adds to the global norm (each logical element once).
+    Whole experts (not split over TP) differ between TP ranks: every rank counts its own (their
+    sum over the EP group is then added once per TP group, ``clip_grads``)."""
     if getattr(p, "shared_embedding_copy", False):
         return False
+    if is_expert(p) and not ps.experts_split_over_tp:
+        return True
     return getattr(p, "tp_partition_dim", None) is not None or ps.tp_rank == 0
 
 
@@ -46,13 +53,17 @@ def clip_grads(grads: List[torch.Tensor], counts: List[bool], max_norm: float, p
     partial sum is added over the expert-parallel group; see the module docstring)."""
     acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     sq = torch.zeros((), dtype=acc_dtype, device=grads[0].device)
-    over_ep = experts is not None and any(experts) and not sharded_over_dp and C.group_size(ps.ep_group) > 1
+    whole = not ps.experts_split_over_tp
+    over_ep = (experts is not None and any(experts) and not sharded_over_dp
+               and (C.group_size(ps.ep_group) > 1 or whole))
     expert_sq = torch.zeros_like(sq) if over_ep else sq
     for i, (g, c) in enumerate(zip(grads, counts)):
         if c:
             (expert_sq if over_ep and experts[i] else sq).add_(g.to(acc_dtype).pow(2).sum())
     if over_ep:
-        sq += C.all_reduce(expert_sq, ps.ep_group)
+        C.all_reduce(expert_sq, ps.ep_group)
+        if not whole or ps.tp_rank == 0:  # whole experts: the EP group's sum covers the TP group's
+            sq += expert_sq
     C.all_reduce(sq, ps.group("model"))
     if sharded_over_dp:
         C.all_reduce(sq, ps.dp_cp_group)

@@ -9,6 +9,11 @@ is split across TP ranks gets exactly the gradient the unsplit network would:
 and for sequence parallelism, along the sequence dimension:
 - gather_from_sp:    forward all-gather, backward reduce-scatter
 - reduce_scatter_to_sp: forward reduce-scatter, backward all-gather
+and between a TP-replicated tensor and per-rank sequence slices that are whole values (not
+partial sums): the slices of tokens that TP ranks process apart, e.g. experts that are not split
+over TP:
+- split_sequence:    forward split,      backward all-gather
+- gather_sequence:   forward all-gather, backward split
 
 The all-reduces work in place, on the forward input or on the incoming gradient, as Megatron's
 do: callers hand them tensors just computed by a matmul, which nothing else reads.
@@ -88,6 +93,28 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return C.all_gather(grad, SEQ_DIM, ctx.group), None
 
 
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.split(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.split(grad, SEQ_DIM, ctx.group), None
+
+
 def _apply(fn, x, group):
     return x if C.group_size(group) == 1 else fn.apply(x, group)
 
@@ -115,3 +142,11 @@ def gather_from_sp(x, group):
 def reduce_scatter_to_sp(x, group):
     return _apply(_ReduceScatterToSP, x, group)
 
+
+
+def split_sequence(x, group):
+    return _apply(_SplitSequence, x, group)
+
+
+def gather_sequence(x, group):
+    return _apply(_GatherSequence, x, group)

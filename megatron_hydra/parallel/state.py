@@ -53,23 +53,33 @@ def group_ranks(sizes: Dict[str, int], axes: Sequence[str]) -> List[List[int]]:
     return groups
 
 
-def expert_group_ranks(sizes: Dict[str, int], ep: int) -> Dict[str, List[List[int]]]:
+def expert_group_ranks(sizes: Dict[str, int], ep: int, experts_split_over_tp: bool = True) -> Dict[str, List[List[int]]]:
     """Expert parallelism carved from data parallelism, as Megatron does: a data-parallel index is
     ``edp_rank * ep + ep_rank`` (ep innermost), so the ``ep`` ranks of a group are data-parallel
     neighbours. ``ep``: the ranks that split the experts of each MoE layer (tokens are dispatched
     among them). ``edp_cp``: the ranks that hold the same experts (same ``ep_rank``, every ``edp``
-    and ``cp`` index): expert gradients are reduced over them, as dense ones are over ``dp_cp``."""
-    if sizes["dp"] % ep:
-        raise ValueError(f"expert-parallel size {ep} does not divide the data-parallel size {sizes['dp']}")
+    and ``cp`` index): expert gradients are reduced over them, as dense ones are over ``dp_cp``.
+
+    When the experts are not split over TP (``parallel.expert_tensor_parallel_size=1`` with
+    tp > 1), each TP rank dispatches its own tokens and holds whole experts, so expert parallelism
+    is carved from dp x tp instead: the index is ``dp_rank * tp + tp_rank`` (tp innermost, so TP
+    neighbours, one node's NVLink domain, share an EP group first) and ``edp_cp`` takes every
+    ``ep``-th of those indices over every cp index."""
+    inner = ("dp",) if experts_split_over_tp else ("dp", "tp")
+    span = sizes["dp"] * (1 if experts_split_over_tp else sizes["tp"])
+    if span % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide {' x '.join(inner)} = {span}")
     out: Dict[str, List[List[int]]] = {"ep": [], "edp_cp": []}
-    for group in group_ranks(sizes, ("dp", "cp")):  # sorted: index = dp_rank * cp + cp_rank
-        cp = sizes["cp"]
-        for edp in range(sizes["dp"] // ep):
+    cp = sizes["cp"]
+    for group in group_ranks(sizes, (*inner, "cp")):  # sorted: index = (dp_rank [* tp + tp_rank]) * cp + cp_rank
+        if not experts_split_over_tp:  # reorder to (dp, tp, cp) so that ``index * cp + c`` below holds
+            tp = sizes["tp"]
+            group = [group[(d * cp + c) * tp + t] for d in range(sizes["dp"]) for t in range(tp) for c in range(cp)]
+        for edp in range(span // ep):
             for c in range(cp):
-                out["ep"].append([group[(edp * ep + e) * cp + c] for e in range(ep)])
+                out["ep"].append(sorted(group[(edp * ep + e) * cp + c] for e in range(ep)))
         for e in range(ep):
-            out["edp_cp"].append(sorted(group[(edp * ep + e) * cp + c] for edp in range(sizes["dp"] // ep)
-                                        for c in range(cp)))
+            out["edp_cp"].append(sorted(group[(edp * ep + e) * cp + c] for edp in range(span // ep) for c in range(cp)))
     return out
 
 
@@ -89,6 +99,7 @@ class ParallelState:
     mesh: Optional[object] = None
     groups: Optional[Dict[str, object]] = None
     ep: int = 1  # expert-parallel degree (a factor of dp; expert_group_ranks)
+    etp: Optional[int] = None  # expert tensor-parallel degree: tp (None: the same) or 1 (experts whole)
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -96,11 +107,12 @@ class ParallelState:
 
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, device_type: str = "cpu",
-              timeout: Optional[timedelta] = None, ep: int = 1) -> "ParallelState":
+              timeout: Optional[timedelta] = None, ep: int = 1, etp: Optional[int] = None) -> "ParallelState":
         """Create the mesh and every group. Collective: all ranks must call it together. Every group
         gets ``timeout`` (default: the world group's, i.e. ``trainer.collective_timeout_s``): a
         subgroup left at torch's default would wait 30 minutes for a stopped peer. ``ep``: the
-        expert-parallel degree, carved from dp (``expert_group_ranks``)."""
+        expert-parallel degree, carved from dp (``expert_group_ranks``); ``etp``: the experts'
+        tensor-parallel degree, tp (None) or 1."""
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
@@ -120,14 +132,16 @@ class ParallelState:
             "embedding": embedding_group_ranks(sizes),  # tied embedding grads
             "amax": group_ranks(sizes, ("dp", "cp", "tp")),  # FP8 amax reduction: the ranks holding the same layers
         }
-        if ep > 1:
-            combined.update(expert_group_ranks(sizes, ep))
+        state = cls(sizes=sizes, rank=rank, ep=ep, etp=etp)
+        if ep > 1 or not state.experts_split_over_tp:  # whole experts at ep 1 still reduce over tp too
+            combined.update(expert_group_ranks(sizes, ep, state.experts_split_over_tp))
         for name, all_groups in combined.items():
             for members in all_groups:  # every rank creates every group, in the same order
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups[name] = group
-        return cls(sizes=sizes, rank=rank, mesh=mesh, groups=groups, ep=ep)
+        state.mesh, state.groups = mesh, groups
+        return state
 
     def group(self, name: str):
         """The named group of this rank; ``None`` without process groups, or for the embedding
@@ -175,9 +189,16 @@ class ParallelState:
         return self.group("tp")
 
     @property
+    def experts_split_over_tp(self) -> bool:
+        """Whether each expert is tensor-parallel like the dense MLP (the default), or whole on
+        every rank (``etp=1``), each TP rank then routing its own tokens."""
+        return (self.etp or self.tp_size) == self.tp_size
+
+    @property
     def ep_rank(self) -> int:
         """This rank's index in its expert-parallel group (``expert_group_ranks``)."""
-        return self.dp_rank % self.ep
+        index = self.dp_rank if self.experts_split_over_tp else self.dp_rank * self.tp_size + self.tp_rank
+        return index % self.ep
 
     @property
     def ep_group(self):

@@ -7,7 +7,8 @@ parallelism and the distributed optimizer, and for long sequences (``model.seq_l
 ``Options.cp_min_seq_length`` or more) context parallelism: powers of two from 2 up to
 ``Options.max_cp``, ring (p2p) or Ulysses (a2a) exchanges; data parallelism takes the remaining
 GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: every ``ep`` up to
-``Options.max_ep`` that divides both the experts and dp. A layout is kept only if ``derive`` accepts it and the memory plan
+``Options.max_ep`` that divides both the experts and dp, and at tp > 1 with whole experts
+(``expert_tensor_parallel_size=1``) every ``ep`` dividing the experts and dp x tp. A layout is kept only if ``derive`` accepts it and the memory plan
 (``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
 are ranked by the step time of ``planning.performance`` and the best are printed with the command
 that runs each.
@@ -74,13 +75,17 @@ def _context_parallel(cfg: RunConfig, world: int, opts: Options) -> List[Tuple[i
     return out
 
 
-def _expert_parallel(cfg: RunConfig, dp: int, opts: Options) -> List[int]:
-    """Expert-parallel degrees to check: 1 for a dense model; else the divisors of dp that divide
-    the experts (``config.moe``), up to ``opts.max_ep``."""
+def _expert_parallel(cfg: RunConfig, dp: int, tp: int, opts: Options) -> List[Tuple[int, bool]]:
+    """(ep, whole experts) pairs to check: (1, False) for a dense model; else every ep up to
+    ``opts.max_ep`` that divides the experts and dp (experts split over TP like the dense MLP)
+    and, at tp > 1, dp x tp (whole experts, ``expert_tensor_parallel_size=1``; ``config.moe``)."""
     moe = cfg.model.moe
     if moe is None:
-        return [1]
-    return [ep for ep in _divisors(dp) if ep <= opts.max_ep and moe.num_experts % ep == 0]
+        return [(1, False)]
+    out = []
+    for whole, span in ((False, dp), (True, dp * tp)) if tp > 1 else ((False, dp),):
+        out += [(ep, whole) for ep in _divisors(span) if ep <= opts.max_ep and moe.num_experts % ep == 0]
+    return out
 
 
 def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -> Iterator[Layout]:
@@ -95,9 +100,9 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
         for pp in (k for k in _divisors(layers) if world % (tp * cp * k) == 0):
             dp = world // (tp * cp * pp)
             vpps = [1] + ([v for v in _divisors(layers // pp) if 1 < v <= opts.max_vpp] if pp > 1 else [])
-            for b, vpp, rc, sp, do, mode, ep in itertools.product(
+            for b, vpp, rc, sp, do, mode, (ep, whole) in itertools.product(
                     opts.micro_batches, vpps, opts.recompute, opts.sequence_parallel, opts.distributed_optimizer,
-                    opts.data_parallel, _expert_parallel(cfg, dp, opts)):
+                    opts.data_parallel, _expert_parallel(cfg, dp, tp, opts)):
                 fsdp = mode == "fsdp"
                 if (gbs % (b * dp) or (sp and tp == 1) or ((do or fsdp) and dp * cp == 1) or (do and fsdp)
                         or (fsdp and cfg.model.moe is not None)  # config.moe: no FSDP with experts
@@ -107,7 +112,7 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
                              distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
-                             cp=cp, cp_comm=comm, ep=ep)
+                             cp=cp, cp_comm=comm, ep=ep, whole_experts=whole)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
@@ -119,6 +124,8 @@ def overrides(layout: Layout) -> Tuple[str, ...]:
             out.append(f"parallel.cp_comm_type={layout.cp_comm}")
     if layout.ep > 1:
         out.append(f"parallel.expert_parallel_size={layout.ep}")
+    if layout.whole_experts:
+        out.append("parallel.expert_tensor_parallel_size=1")
     if layout.vpp > 1:
         out += [f"parallel.virtual_pipeline_size={layout.vpp}", "parallel.pipeline_schedule=interleaved_1f1b"]
     if layout.sequence_parallel:
@@ -138,6 +145,7 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     par = out.parallel
     par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size = layout.tp, layout.pp, layout.cp
     par.cp_comm_type, par.expert_parallel_size = layout.cp_comm, layout.ep
+    par.expert_tensor_parallel_size = 1 if layout.whole_experts else None
     par.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     par.pipeline_schedule = "interleaved_1f1b" if layout.vpp > 1 else "1f1b"
     par.sequence_parallel, par.layers_per_stage = layout.sequence_parallel, None
@@ -195,6 +203,8 @@ def describe(layout: Layout) -> str:
     parts.append(f"dp={layout.dp}")
     if layout.ep > 1:
         parts.append(f"ep={layout.ep}")
+    if layout.whole_experts:
+        parts.append("etp=1")
     parts.append(f"mb={layout.micro_batch}")
     if layout.vpp > 1:
         parts.append(f"vpp={layout.vpp}")

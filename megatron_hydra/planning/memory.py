@@ -311,10 +311,16 @@ def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> Lis
     names = [name for name, size in (("tp", derived.tp), ("pp", derived.pp), ("cp", derived.cp),
                                       ("dp_cp", derived.dp * derived.cp),
                                       ("model", derived.tp * derived.pp), ("world", derived.world_size), ("ep", derived.ep),
-                                      ("edp_cp", derived.dp * derived.cp // derived.ep * (derived.ep > 1))) if size > 1]
+                                      ("edp_cp", _expert_dp(derived))) if size > 1]
     if derived.pp > 1 and tied and first_or_last:
         names.append("embedding")
     return names
+
+
+def _expert_dp(derived: Derived) -> int:
+    from megatron_hydra.planning.moe import expert_dp_size
+
+    return expert_dp_size(derived) or 0
 
 
 def _headroom(cfg: RunConfig, derived: Derived, row: "RankMemory", last: bool, first_or_last: bool) -> "RankMemory":

@@ -32,7 +32,7 @@ one, and its replay adds these terms.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
@@ -74,24 +74,35 @@ def _chunk_params(tcfg: TransformerConfig, first: int, last: int, pre: bool, pos
 
 
 def chunk_params(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, tp: int,
-                 ep: int) -> List[Tuple[int, bool]]:
-    """(elements on one TP rank, is an expert parameter) of a chunk's parameters, in model order."""
+                 ep: int, whole_experts: bool = False) -> List[Tuple[int, bool]]:
+    """(elements on one TP rank, is an expert parameter) of a chunk's parameters, in model order.
+    ``whole_experts``: the experts are not split over TP (``expert_tensor_parallel_size=1``)."""
 
     held = _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)
-    return [(n // tp if sharded else n, expert) for n, sharded, expert in held]
+    return [(n // tp if sharded and not (whole_experts and expert) else n, expert) for n, sharded, expert in held]
 
 
-def flat_buffer(params: List[Tuple[int, bool]], bucket_size: int, dp: int, ep: int,
+def expert_dp_size(derived: Derived) -> Optional[int]:
+    """Ranks holding the same experts (their gradients reduce over them): dp x cp / ep, times tp
+    for whole experts (``ParallelState.expert_dp_group``); None when experts reduce like dense
+    parameters (ep 1, experts split like the dense MLP)."""
+    whole = derived.etp is not None
+    if derived.ep == 1 and not whole:
+        return None
+    return derived.dp * derived.cp * (derived.tp if whole else 1) // derived.ep
+
+
+def flat_buffer(params: List[Tuple[int, bool]], bucket_size: int, dp: int, expert_dp: Optional[int],
                 distributed_optimizer: bool) -> Tuple[int, int]:
     """(padded length, this rank's shard) of the flat buffers, laid out as ``GradBuffer`` does:
-    dense parameters reduced over ``dp`` (dp x cp) ranks, experts over dp / ep when ep > 1."""
+    dense parameters reduced over ``dp`` (dp x cp) ranks, experts over ``expert_dp`` when given."""
     from megatron_hydra.parallel.data_parallel import split_layout
 
     ordered = list(reversed(params))  # the buffer runs in reverse order
-    split = ep > 1
+    split = expert_dp is not None
     dense = [_Numel(n) for n, expert in ordered if not (split and expert)]
     experts = [_Numel(n) for n, expert in ordered if split and expert]
-    sizes = (dp, dp // ep)
+    sizes = (dp, expert_dp)
     parts = [(members, size, size if distributed_optimizer else 1) for members, size in zip((dense, experts), sizes)]
     layout = split_layout(parts, bucket_size)
     if not distributed_optimizer:
@@ -104,10 +115,10 @@ def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[
 
     tc = derived.transformer
     params = [p for (_, pre, post), layers in zip(chunks, chunk_ranges(cfg, derived, pp_rank))
-              for p in chunk_params(tc, layers, pre, post, derived.tp, derived.ep)]
+              for p in chunk_params(tc, layers, pre, post, derived.tp, derived.ep, derived.etp is not None)]
     numel = sum(n for n, _ in params)
-    padded, shard = flat_buffer(params, cfg.parallel.grad_bucket_size, derived.dp * derived.cp, derived.ep,
-                                cfg.optim.distributed_optimizer)
+    padded, shard = flat_buffer(params, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
+                                expert_dp_size(derived), cfg.optim.distributed_optimizer)
     return numel, state_bytes(numel, tc.params_dtype, shard, padded)
 
 
@@ -118,9 +129,12 @@ def layer_delta_bytes(tc: TransformerConfig, layer: dict) -> float:
     T = layer["seq"] / layer["cp"] * layer["micro_batch"]
     k, e, r = spec.top_k, spec.num_experts, (1.0 / t if layer["sequence_parallel"] else 1.0)
     w, units = max(v, 4), (4 if tc.activation in GATED_ACTIVATIONS else 2)
-    ep_extra = 2 if tc.moe and layer.get("ep", 1) > 1 else 0
-    moe = w * T * r * h + 3 * w * T * r * e + 4 * (2 * T * k + 2 * T * r) + 8 * T * k * (3 + ep_extra)
-    moe += v * T * k * h + units * v * T * k * spec.ffn_hidden_size / t + (v + w) * T * k * h
+    ep_extra = 2 if tc.moe and (layer.get("ep", 1) > 1 or layer.get("whole_experts")) else 0
+    # The tokens this rank's dispatch handles, and the expert width it computes: all T tokens
+    # gathered over TP and 1/t of each expert; whole experts: its own T/t tokens, whole width.
+    Te, fe = (T / t, spec.ffn_hidden_size) if layer.get("whole_experts") else (T, spec.ffn_hidden_size / t)
+    moe = w * T * r * h + 3 * w * T * r * e + 4 * (2 * Te * k + 2 * T * r) + 8 * Te * k * (3 + ep_extra)
+    moe += v * Te * k * h + units * v * Te * k * fe + (v + w) * Te * k * h
     if spec.shared_ffn_hidden_size:
         moe += v * T * h + units * v * T * spec.shared_ffn_hidden_size / t
     dense = v * T * h * (1.0 if layer["sp_gathered_inputs"] else r) + units * v * T * layer["ffn_hidden"] / t
@@ -133,7 +147,7 @@ def chunk_activation_deltas(cfg: RunConfig, derived: Derived, pp_rank: int, laye
     from megatron_hydra.parallel.recompute import recomputed_chunks
 
     tc = derived.transformer
-    delta = layer_delta_bytes(tc, {**layer, "ep": derived.ep})
+    delta = layer_delta_bytes(tc, {**layer, "ep": derived.ep, "whole_experts": derived.etp is not None})
     out = []
     for layers in chunk_ranges(cfg, derived, pp_rank):
         moe = [i in tc.moe_layers for i in layers]

@@ -57,7 +57,11 @@ experts and back: 2 all-to-alls in the forward (dispatch, combine), 2 in the bac
 the forward is recomputed, each moving ``(ep-1)/ep * T k h e`` bytes per GPU (``T = b s / c``: every
 TP rank of an EP rank dispatches all of the micro-batch's tokens; balanced routing assumed) over a
 group spanning ``t c ep`` consecutive ranks; on the critical path, not overlapped. Expert weights
-are ``1/ep`` per GPU and their gradients reduce over the ``d c / ep`` ranks holding the same experts.
+are ``1/(ep t)`` per GPU and their gradients reduce over the ``d c / ep`` ranks holding the same
+experts. Whole experts (``expert_tensor_parallel_size=1``): each TP rank dispatches its own
+``T / t`` tokens (``1/t`` of the volume) over a group of ``ep`` ranks carved from ``d t`` (within
+the TP group when ``ep <= t``, else spanning ``ep c`` ranks), holds ``1/ep`` of the expert weights
+unsplit, and reduces their gradients over ``d c t / ep`` ranks; the FLOPs per GPU are the same.
 
 Data parallelism: a ring all-reduce of the GPU's fp32 gradients over the ``d c`` ranks that hold
 the same weights, ``2 (dc-1)/(dc) * 4 P_gpu`` bytes per GPU (with the distributed optimizer a
@@ -119,6 +123,7 @@ class Layout:
     cp: int = 1  # parallel.context_parallel_size
     cp_comm: str = "p2p"  # parallel.cp_comm_type: p2p | a2a
     ep: int = 1  # parallel.expert_parallel_size
+    whole_experts: bool = False  # parallel.expert_tensor_parallel_size=1 (with tp > 1)
 
 
 @dataclass(frozen=True)
@@ -205,17 +210,21 @@ def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
         experts = x * units * h * moe.ffn_hidden_size * moe.num_experts / lay.ep
     embedding = tc.padded_vocab_size * h
     layers = tc.num_layers / lay.pp
-    return (layers * layer + embedding) / lay.tp, layers * experts / lay.tp
+    return (layers * layer + embedding) / lay.tp, layers * experts / (1 if lay.whole_experts else lay.tp)
 
 
 def ep_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants) -> float:
     """Seconds of one MoE layer's all-to-alls per micro-batch on one GPU (module docstring)."""
     if tc.moe is None or lay.ep == 1:
         return 0.0
-    tokens = lay.micro_batch * tc.seq_length / lay.cp
+    tokens = lay.micro_batch * tc.seq_length / lay.cp / (lay.tp if lay.whole_experts else 1)
     volume = (lay.ep - 1) / lay.ep * tokens * tc.moe.top_k * tc.hidden_size * ACT_BYTES
     count = 4 + (2 if lay.recompute == "full" else 0)
-    return count * _ring_time(volume, _group_link(cluster, lay.tp * lay.cp * lay.ep), c)
+    if lay.whole_experts:
+        span = lay.ep if lay.ep <= lay.tp else lay.ep * lay.cp
+    else:
+        span = lay.tp * lay.cp * lay.ep
+    return count * _ring_time(volume, _group_link(cluster, span), c)
 
 
 def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: ClusterConfig,
@@ -276,7 +285,7 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         dense_params, expert_params = _params_per_gpu(tc, lay)
         per_param = (GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES
         dp_comm = _ring_time((dc - 1) / dc * dense_params * per_param, _group_link(cluster, t * dc), c, messages=2)
-        edc = dc // lay.ep  # the ranks holding the same experts
+        edc = dc * (t if lay.whole_experts else 1) // lay.ep  # the ranks holding the same experts
         if expert_params and edc > 1:
             dp_comm += _ring_time((edc - 1) / edc * expert_params * per_param, _group_link(cluster, t * dc), c,
                                   messages=2)

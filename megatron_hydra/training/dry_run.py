@@ -185,7 +185,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     try:
         # The mesh is built from real (host) rank tables, before anything turns fake.
         ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
-                             ep=derived.ep)
+                             ep=derived.ep, etp=derived.etp)
         with fake_gpu.fake_gpu() as check:
             tracker = _memory_tracker()
             with tracker:

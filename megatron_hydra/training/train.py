@@ -142,7 +142,7 @@ def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
 def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None:
     device = device_for(cfg.trainer.accelerator, local_rank)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
-                             ep=derived.ep)
+                             ep=derived.ep, etp=derived.etp)
     if rank == 0:
         _write_derived(cfg.run_dir, derived)
         log.info("layout: world=%d tp=%d pp=%d cp=%d dp=%d, %d micro-batches of %d per step",
