@@ -13,6 +13,7 @@ from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.errors import ConfigError
 
 LOGGERS = ("tensorboard", "csv", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
 # The pip package and the extra of this project that installs it, per logger that needs one.
 LOGGER_PACKAGES = {"wandb": ("wandb", "wandb")}
 
@@ -27,6 +28,10 @@ def check_observability(cfg: RunConfig) -> None:
                               "(e.g. trainer.logger=[tensorboard,csv,wandb])")
     if len(set(loggers)) != len(loggers):
         raise ConfigError(f"trainer.logger={loggers} names a logger twice: list each once")
+    mode = cfg.trainer.wandb.mode
+    if mode is not None and mode not in WANDB_MODES:
+        raise ConfigError(f"trainer.wandb.mode={mode!r} is not a W&B mode: use one of {', '.join(WANDB_MODES)}, "
+                          "or null (the WANDB_MODE environment variable decides)")
     steps = cfg.trainer.profile_steps
     if steps is None:
         return

@@ -237,6 +237,8 @@ class WandbConfig:
     # Where wandb writes its files; None -> the run dir (<run_dir>/wandb/).
     dir: Optional[str] = None
     tags: List[str] = field(default_factory=list)
+    # online | offline | disabled; None -> the WANDB_MODE environment variable, else online.
+    mode: Optional[str] = None
 
 
 @dataclass

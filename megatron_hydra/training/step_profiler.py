@@ -16,7 +16,7 @@ from typing import Optional
 
 import pytorch_lightning as pl
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 log = logging.getLogger("megatron_hydra")
 
@@ -37,7 +37,9 @@ class StepProfiler(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step  # the step about to run
         if self._profiler is None and self.first <= step <= self.last:
-            self._profiler = profile(activities=self.activities, record_shapes=True, with_stack=False)
+            # A schedule that always records: only with a schedule does the profiler mark each step.
+            self._profiler = profile(activities=self.activities, schedule=lambda _: ProfilerAction.RECORD,
+                                     record_shapes=True)
             self._profiler.step_num = step  # its ProfilerStep#<n> ranges carry the run's step
             self._profiler.start()
 

@@ -1,9 +1,9 @@
 """``trainer.logger=[...,wandb]``: rank 0's metrics and the resolved config in a W&B run.
 
 wandb is optional (``pip install '.[wandb]'``); the launcher refuses the logger before any worker
-starts when it is missing (``config.observability``). ``WANDB_MODE=offline`` keeps everything in
-``<wandb dir>/wandb/offline-run-*`` (``wandb sync`` uploads it later). Only rank 0 builds the
-logger, so only rank 0 starts a W&B run. The run is finished explicitly when training ends,
+starts when it is missing (``config.observability``). ``WANDB_MODE=offline`` (or
+``trainer.wandb.mode=offline``) keeps everything in ``<wandb dir>/wandb/offline-run-*`` (``wandb
+sync`` uploads it later). Only rank 0 builds the logger, so only rank 0 starts a W&B run. The run is finished explicitly when training ends,
 successfully or not: workers leave with ``os._exit``, which skips wandb's exit hook, and a run
 left open would lose its last records.
 """
@@ -38,7 +38,8 @@ def build_wandb_logger(cfg: RunConfig) -> WandbLogger:
     # console="off": rank 0's log is already in the run dir (train.log / launch.log), and wandb's
     # capture would wrap this process's stdout and stderr.
     return WandbLogger(project=w.project, name=w.name or name, group=w.group or group, save_dir=save_dir,
-                       tags=list(w.tags) or None, config=config, settings=wandb.Settings(console="off"))
+                       tags=list(w.tags) or None, config=config, settings=wandb.Settings(console="off"),
+                       **({"mode": w.mode} if w.mode else {}))
 
 
 def finish_wandb(loggers, failed: bool) -> None:
