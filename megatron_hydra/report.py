@@ -141,8 +141,8 @@ def tokens_by_step(job: Job) -> Dict[float, float]:
 
 
 def summary(job: Job) -> Dict[str, Optional[float]]:
-    """Final loss and validation loss, tokens trained, median tokens/s and MFU over the logged
-    steps (the median, so that the slow first steps do not weigh), and the largest peak memory."""
+    """Final loss and validation loss, steps and tokens trained, median tokens/s and MFU over the
+    logged steps (the median, so that the slow first steps do not weigh), the largest peak memory."""
 
     def median(key):
         values = [r[key] for r in job.series(key)]
@@ -150,7 +150,8 @@ def summary(job: Job) -> Dict[str, Optional[float]]:
 
     peaks = [r["peak_memory_gib"] for r in job.series("peak_memory_gib")]
     tokens = tokens_by_step(job)
-    return {"steps": len(job.series("loss")), "tokens": max(tokens.values()) if tokens else None,
+    losses = job.series("loss")
+    return {"steps": int(losses[-1]["step"]) + 1 if losses else None, "tokens": max(tokens.values()) if tokens else None,
             "loss": job.last("loss"), "val_loss": job.last("val_loss"), "tokens_per_s": median("tokens_per_s"),
             "mfu": median("mfu"), "peak_memory_gib": max(peaks) if peaks else None}
 

@@ -19,6 +19,8 @@ from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 
 STEPS = 3
+# trainer.wandb.mode rather than WANDB_MODE: the forked ranks get the fork server's environment,
+# not this test's (conftest.spawn_ranks).
 OBSERVED = [*SMALL, "trainer.devices=2", f"trainer.max_steps={STEPS}", "trainer.logger=[tensorboard,csv,wandb]",
             "trainer.wandb.mode=offline", "trainer.wandb.project=obs-test", "trainer.profile_steps=[1,2]"]
 
@@ -119,3 +121,21 @@ def test_wandb_logger_without_wandb_installed_stops_before_workers_start(tmp_pat
     message = str(err.value)
     assert "\n" not in message and "trainer.logger" in message and "pip install '.[wandb]'" in message
     assert not (tmp_path / "csv").exists()
+
+
+def test_optuna_sweep_needs_the_csv_logger():
+    """The sweep objective (the final validation loss) is read from csv/metrics.csv."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("launch_entry", ROOT / "launch.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    cfg = compose_config([*SMALL, "trainer.val_check_interval=5", "trainer.logger=[tensorboard]"])
+    with mock.patch("hydra.core.hydra_config.HydraConfig") as hydra_config:
+        hydra_config.get.return_value.sweeper = {"_target_": "hydra_plugins.hydra_optuna_sweeper.OptunaSweeper"}
+        with pytest.raises(ConfigError, match=r"trainer.logger=\['tensorboard'\] has no csv: add it"):
+            launch._check_sweep_objective(cfg)
+        cfg.trainer.logger = ["csv"]
+        launch._check_sweep_objective(cfg)

@@ -45,7 +45,7 @@ def check_report(sweep_dir: Path, seq_length: int) -> str:
         name, label = row[1].split(" ", 1)
         assert name == job and label.startswith("optim.lr=") and " " not in label  # the one differing override
         assert float(row[2]) == pytest.approx(loss, abs=1e-4) and row[3] == ""  # no validation
-        assert int(row[4]) == len(metrics)
+        assert int(row[4]) == metrics[-1]["step"] + 1
         assert float(row[5]) == metrics[-1]["consumed_samples"] * seq_length
         assert float(row[8]) == pytest.approx(max(m["peak_memory_gib"] for m in metrics), abs=1e-3)
     return text

@@ -181,7 +181,6 @@ class LMModule(pl.LightningModule):
 
     # Training --------------------------------------------------------------------------------
     def on_train_start(self) -> None:
-        reset_peak_memory(self.device)  # the first peak window starts with training
         if self.ps.rank != 0:  # only rank 0 logs
             return
         tcfg = self.derived.transformer
