@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import SMALL, compose_config, read_metrics, run_training
+from conftest import SMALL, compose_config, run_training
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 

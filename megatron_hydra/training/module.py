@@ -290,10 +290,10 @@ class LMModule(pl.LightningModule):
                      on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
     def _peak_memory(self, device) -> list:
-        """The largest peak memory of any rank since the previous logging step (``training.
-        memory_peak``; the worst rank is the one that runs out first), as one scalar on ``device``
-        (a max over the world group, riding on this step's host read); then a new window starts.
-        Empty where the peak cannot be measured (no ``/proc``)."""
+        """The largest peak memory of any rank since the previous logging step (see
+        ``training.memory_peak``; the worst rank is the one that runs out first), as one scalar on
+        ``device`` (a max over the world group, read with this step's other values); then a new
+        window starts. Empty where the peak cannot be measured (no ``/proc``)."""
         peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
         if peak is None:

@@ -15,7 +15,6 @@ import os
 from typing import Optional
 
 import pytorch_lightning as pl
-import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 log = logging.getLogger("megatron_hydra")

@@ -25,8 +25,8 @@ from megatron_hydra.training.checkpointing import CheckpointCallback
 from megatron_hydra.training.loggers import build_loggers
 from megatron_hydra.training.module import LMModule
 from megatron_hydra.training.step_profiler import StepProfiler
-from megatron_hydra.training.wandb_logger import finish_wandb
 from megatron_hydra.training.strategy import MegatronStrategy
+from megatron_hydra.training.wandb_logger import finish_wandb
 
 log = logging.getLogger("megatron_hydra")
 
@@ -119,7 +119,7 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
         enable_progress_bar=cfg.trainer.enable_progress_bar and rank == 0,
         enable_model_summary=rank == 0,
         callbacks=([checkpoints] if checkpoints else []) + ([_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else [])
-        + _profiler(cfg, rank),
+                  + _profiler(cfg, rank),
         enable_checkpointing=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
