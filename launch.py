@@ -37,6 +37,11 @@ def _check_sweep_objective(run_cfg) -> None:
             "hydra/sweeper=optuna minimises the final validation loss, but trainer.val_check_interval=0 "
             "disables validation: set it (e.g. to trainer.max_steps)"
         )
+    if "optuna" in sweeper and "csv" not in run_cfg.trainer.logger:
+        raise ConfigError(
+            f"hydra/sweeper=optuna reads each trial's final validation loss from csv/metrics.csv, but "
+            f"trainer.logger={list(run_cfg.trainer.logger)} has no csv: add it"
+        )
 
 
 def _multirun_job_dir() -> Optional[str]:

@@ -38,6 +38,7 @@ from megatron_hydra import lifecycle, slurm
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import free_port, write_config
 from megatron_hydra.config.machine import resolve
+from megatron_hydra.config.observability import check_logger_packages
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
 # Local CPU ranks per core beyond which a run is refused: gloo ranks time-share cores well up to a
@@ -179,6 +180,7 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
     from megatron_hydra.parallel.device import visible_gpus
 
     check_gpu_switches(cfg)
+    check_logger_packages(cfg)
     check_local_cpu_ranks(cfg, external)
     check_gpus(cfg, external, visible_gpus() if cfg.trainer.accelerator == "gpu" else 0)
     from megatron_hydra.checkpoint.plan import start_point

@@ -48,3 +48,19 @@ def test_plan_predicts_the_allocator_peak(tmp_path):
     planned_bytes = planned.static_bytes + planned.activation_bytes
     print(f"allocator peak {measured / 2**30:.2f} GiB, plan {planned_bytes / 2**30:.2f} GiB")
     assert measured == pytest.approx(planned_bytes, rel=0.10)
+
+
+def test_peak_memory_and_profiler_on_cuda(tmp_path):
+    """``peak_memory_gib`` is the allocator's peak (at least 16 bytes per parameter: weights,
+    grads, main weights and AdamW moments; at most the device), and the profiled steps' trace
+    holds CUDA kernels."""
+    import json
+
+    rows = run_training([*SMALL, "trainer=gpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
+                         "trainer.max_steps=3", "trainer.profile_steps=[1,2]", "checkpoint.save_last=false"], tmp_path)
+    h, layers = 64, 2  # SMALL's GPT, counted as in test_observability.py
+    params = 512 * h + 32 * h + layers * (12 * h * h + 13 * h) + 2 * h
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert all(16 * params / 2**30 < r["peak_memory_gib"] < device_gib for r in rows)
+    events = json.loads((tmp_path / "profile" / "rank0.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)

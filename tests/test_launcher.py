@@ -6,6 +6,7 @@ import subprocess
 
 
 from conftest import SMALL, launch_cmd, read_metrics
+from test_report import check_report
 from megatron_hydra.launcher import detect_external, slurm_rendezvous_env
 
 
@@ -41,6 +42,7 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, env_no_launcher):
         assert len(rows) == 3
         lrs.append(rows[-1]["lr"])
     assert lrs[0] > lrs[1]  # each job ran with its own lr
+    check_report(tmp_path, seq_length=32)  # python -m megatron_hydra.report on this sweep (test_report.py)
 
 
 # A failing worker stops the run quickly: test_launcher_trust.py (with stale error files around).

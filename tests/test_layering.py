@@ -22,7 +22,7 @@ LEVELS = {
     "models": 3,
     "data": 4,
     "checkpoint": 5, "planning": 5,
-    "convert": 6, "generate": 6,
+    "convert": 6, "generate": 6, "report": 6,
     "training": 7,
     "launcher": 8,
 }

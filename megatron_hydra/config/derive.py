@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_hydra.config.moe import moe_spec
+from megatron_hydra.config.observability import check_observability
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
 from megatron_hydra.errors import ConfigError
@@ -447,6 +448,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_resolved(cfg)
     _check_choices(cfg)
     _check_positive(cfg)
+    check_observability(cfg)
     world, tp, pp, cp, dp = _parallel_degrees(cfg)
     m, par = cfg.model, cfg.parallel
     vpp = par.virtual_pipeline_size or 1

@@ -228,6 +228,24 @@ class OptimConfig:
 
 
 @dataclass
+class WandbConfig:
+    """The W&B run of ``trainer.logger=[...,wandb]`` (docs/observability.md). Offline with
+    ``WANDB_MODE=offline`` (nothing leaves the machine; ``wandb sync`` uploads it later)."""
+
+    project: str = "megatron-hydra"
+    # None -> the last two parts of the run dir (outputs/<date>/<time> -> <date>/<time>; a sweep's
+    # job <sweep>/<n> -> <time>/<n>).
+    name: Optional[str] = None
+    # None -> the run dir's parent directory name (the jobs of one sweep share it).
+    group: Optional[str] = None
+    # Where wandb writes its files; None -> the run dir (<run_dir>/wandb/).
+    dir: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    # online | offline | disabled; None -> the WANDB_MODE environment variable, else online.
+    mode: Optional[str] = None
+
+
+@dataclass
 class TrainerConfig:
     name: str = "cpu"
     # cpu | gpu | auto (trainer=auto, the default preset: gpu when CUDA devices are visible, else cpu).
@@ -253,6 +271,12 @@ class TrainerConfig:
     # When training ends, rank 0 prints a sample of this many tokens from the trained GPT (real
     # text data and tp = pp = 1 only; 0 disables it).
     generate_sample_tokens: int = 48
+    # Where rank 0's metrics go: any of tensorboard, csv, wandb (pip install '.[wandb]').
+    logger: List[str] = field(default_factory=lambda: ["tensorboard", "csv"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # [first, last]: torch.profiler records these steps (0-based, both included, the `step` of
+    # csv/metrics.csv) on every rank into <run_dir>/profile/rank<r>.json; null: no profiling.
+    profile_steps: Optional[List[int]] = None
 
 
 @dataclass

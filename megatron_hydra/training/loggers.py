@@ -1,4 +1,5 @@
-"""The run's metric history, ``csv/metrics.csv`` and TensorBoard events, continued across resumes.
+"""The run's loggers (``trainer.logger``), and its metric history, ``csv/metrics.csv`` and
+TensorBoard events, continued across resumes.
 
 A preempted run resumes from its last checkpoint at step ``k`` into the same run directory.
 Lightning's ``CSVLogger`` deletes ``metrics.csv`` when it opens it, so after a few preemptions
@@ -26,13 +27,25 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
+from megatron_hydra.config import RunConfig
 
-def build_loggers(run_dir: str, start_step: int) -> list:
-    """TensorBoard and CSV loggers of ``run_dir`` for a run that starts at ``start_step``."""
-    return [
-        TensorBoardLogger(run_dir, name="", version="tensorboard", default_hp_metric=False, purge_step=start_step),
-        HistoryCSVLogger(run_dir, start_step),
-    ]
+
+def build_loggers(cfg: RunConfig, start_step: int, rank: int) -> list:
+    """The loggers ``trainer.logger`` names, writing into the run dir, for a run that starts at
+    ``start_step``. W&B's is built on rank 0 only (``training.wandb_logger``); the others write on
+    rank 0 only by themselves."""
+    run_dir, loggers = cfg.run_dir, []
+    for name in cfg.trainer.logger:
+        if name == "tensorboard":
+            loggers.append(TensorBoardLogger(run_dir, name="", version="tensorboard", default_hp_metric=False,
+                                             purge_step=start_step))
+        elif name == "csv":
+            loggers.append(HistoryCSVLogger(run_dir, start_step))
+        elif name == "wandb" and rank == 0:
+            from megatron_hydra.training.wandb_logger import build_wandb_logger
+
+            loggers.append(build_wandb_logger(cfg))
+    return loggers
 
 
 def _write_atomically(path: str, rows: List[List[str]]) -> None:

@@ -45,6 +45,7 @@ from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.planning.peak import device_peak_tflops
 from megatron_hydra.training.guard import FiniteGuard
 from megatron_hydra.training.lr_schedule import lr_at
+from megatron_hydra.training.memory_peak import peak_memory_bytes, reset_peak_memory
 from megatron_hydra.training.precision import DynamicLossScaler
 
 log = logging.getLogger("megatron_hydra")
@@ -260,8 +261,9 @@ class LMModule(pl.LightningModule):
         if grad_norm is not None:
             read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
         moe = self._moe_metrics(loss.device)
-        values = torch.stack(read + moe).tolist()  # the host read of this logging step
-        moe_values = values[len(read):]
+        peak = self._peak_memory(loss.device)
+        values = torch.stack(read + moe + peak).tolist()  # the host read of this logging step
+        moe_values = values[len(read):len(read) + len(moe)]
         # Wall time since the window began: data loading, Lightning's loop, logging and saves
         # included, so tokens/s is what the whole run achieves, not just the model's math.
         now = time.perf_counter()
@@ -277,6 +279,8 @@ class LMModule(pl.LightningModule):
             metrics.update(moe_aux_loss=moe_values[0], moe_load_imbalance=moe_values[1])
             if self.derived.transformer.moe.capacity_factor is not None:
                 metrics["moe_dropped_fraction"] = moe_values[2]
+        if peak:
+            metrics["peak_memory_gib"] = values[-1] / 2**30
         if self.peak_tflops is not None:
             metrics["mfu"] = 100.0 * tflops / self.peak_tflops  # percent of the device's dense peak
         if self.loss_scaler is not None:
@@ -286,6 +290,19 @@ class LMModule(pl.LightningModule):
             self.log(name, torch.tensor(value, dtype=dtype),
                      prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank", "mfu"),
                      on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    def _peak_memory(self, device) -> list:
+        """The largest peak memory of any rank since the previous logging step (see
+        ``training.memory_peak``; the worst rank is the one that runs out first), as one scalar on
+        ``device`` (a max over the world group, read with this step's other values); then a new
+        window starts. Empty where the peak cannot be measured (no ``/proc``)."""
+        peak = peak_memory_bytes(self.device)
+        reset_peak_memory(self.device)
+        if peak is None:
+            return []
+        value = torch.tensor(float(peak), dtype=torch.float64, device=device)
+        C.all_reduce(value, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
+        return [value]
 
     def _moe_metrics(self, device) -> list:
         """The last micro-batch's router losses summed over the MoE layers (aux + z, coefficients

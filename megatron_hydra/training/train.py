@@ -24,7 +24,9 @@ from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.checkpointing import CheckpointCallback
 from megatron_hydra.training.loggers import build_loggers
 from megatron_hydra.training.module import LMModule
+from megatron_hydra.training.step_profiler import StepProfiler
 from megatron_hydra.training.strategy import MegatronStrategy
+from megatron_hydra.training.wandb_logger import finish_wandb
 
 log = logging.getLogger("megatron_hydra")
 
@@ -105,7 +107,7 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
                   checkpoints: Optional[CheckpointCallback] = None) -> pl.Trainer:
     # A resumed run continues the metric history of its run directory from its start step.
     start = checkpoints.start if checkpoints is not None else None
-    loggers = build_loggers(cfg.run_dir, int(start["step"]) if start else 0)
+    loggers = build_loggers(cfg, int(start["step"]) if start else 0, rank)
     val = cfg.trainer.val_check_interval
     return pl.Trainer(
         accelerator="gpu" if cfg.trainer.accelerator == "gpu" else "cpu",
@@ -116,7 +118,8 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         enable_progress_bar=cfg.trainer.enable_progress_bar and rank == 0,
         enable_model_summary=rank == 0,
-        callbacks=([checkpoints] if checkpoints else []) + ([_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else []),
+        callbacks=([checkpoints] if checkpoints else []) + ([_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else [])
+                  + _profiler(cfg, rank),
         enable_checkpointing=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
@@ -126,6 +129,14 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
         default_root_dir=cfg.run_dir,
         precision="64-true" if derived.transformer.params_dtype == torch.float64 else "32-true",
     )
+
+
+def _profiler(cfg: RunConfig, rank: int) -> list:
+    """``trainer.profile_steps``: the step profiler callback of this rank, if asked for."""
+    if cfg.trainer.profile_steps is None:
+        return []
+    first, last = cfg.trainer.profile_steps
+    return [StepProfiler(first, last, cfg.run_dir, rank, cuda=cfg.trainer.accelerator == "gpu")]
 
 
 def train(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
@@ -161,7 +172,12 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
     checkpoints = CheckpointCallback(cfg, derived, ps, start)
     trainer = build_trainer(cfg, derived, strategy, rank, checkpoints)
-    trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)
+    try:
+        trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)
+    except BaseException:
+        finish_wandb(trainer.loggers, failed=True)
+        raise
+    finish_wandb(trainer.loggers, failed=False)
     if (rank == 0 and cfg.trainer.generate_sample_tokens and cfg.data.name != "synthetic" and cfg.model.arch == "gpt"
             and not checkpoints.stopped_by_signal):
         _print_sample(cfg, module, ps)
