@@ -1,7 +1,13 @@
-"""Pipeline bubble: measured idle time per stage against the analytic bubble.
+"""Pipeline bubble: counted from each schedule's action order, and measured, against the analytic.
 
-    python benchmarks/pipeline_bubble.py [pp=4] [steps=3] [hidden=256] [seq=128] [threads=1]
+    python benchmarks/pipeline_bubble.py [pp=4] [steps=3] [hidden=256] [seq=128] [threads=1] [timed=1]
 
+First, the count (``planning.schedule_bubble``): torch's own per-rank action order of each
+schedule replayed with unit costs (F 1, B 2; the zero-bubble halves I 1, W 1) and free
+communication. It does not depend on the machine, and for 1F1B and interleaved 1F1B it is the
+analytic figure below; the zero-bubble schedules (interleaved ZB and ZB-V) are printed beside them.
+
+Then (``timed=0`` skips it) the real schedules run:
 For 1F1B (one stage per rank) and interleaved 1F1B (v = 2 stages per rank) with m in {4, 8, 16}
 micro-batches, every forward/backward computation of every stage is timestamped
 (``Pipeline.events``); a step spans from the first computation on any rank to the last. A rank's
@@ -110,9 +116,28 @@ def _report(gathered, pp):
                   f"{' '.join(f'{x:6.3f}' for x in ratio):>34}{statistics.mean(ratio):>8.3f}{100 * share:>17.1f}%")
 
 
+def _counted(pp: int) -> None:
+    from megatron_hydra.planning.schedule_bubble import analytic, schedule_bubble
+
+    print(f"counted from the schedules' action orders, unit costs, pp={pp}: idle / busy (mean over ranks)")
+    print(f"{'schedule':<22}{'m':>4}{'analytic':>10}{'counted':>10}")
+    for schedule, vpp in (*SCHEDULES, ("zero_bubble", 2), ("zbv", 2)):
+        for m in MICROBATCHES:
+            if m < pp:
+                continue
+            expected = analytic(schedule, pp, vpp, m)
+            counted = schedule_bubble(schedule, pp, vpp, m).mean
+            print(f"{schedule + (f' v={vpp}' if vpp > 1 else ''):<22}{m:>4}"
+                  f"{'-' if expected is None else f'{expected:.4f}':>10}{counted:>10.4f}")
+    print()
+
+
 def main(argv):
-    args = {"pp": 4, "steps": 3, "hidden": 256, "seq": 128, "threads": 1}
+    args = {"pp": 4, "steps": 3, "hidden": 256, "seq": 128, "threads": 1, "timed": 1}
     args.update({k: int(v) for k, v in (a.split("=", 1) for a in argv)})
+    _counted(args["pp"])
+    if not args["timed"]:
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -151,3 +151,27 @@ def test_unsupported_torch_pipelining_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"lacks renamed_in_a_later_torch: install a supported torch") as e:
         pipeline_runtime.check_supported()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_schedule_bubble_counts_equal_narayanan(schedule, vpp, pp, m):
+    """The bubble counted from torch's own action order with unit costs (F 1, B 2) is Narayanan
+    et al.'s (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved, on every rank."""
+    from megatron_hydra.planning.schedule_bubble import schedule_bubble
+
+    expected = (pp - 1) / (vpp * m)
+    assert schedule_bubble(schedule, pp, vpp, m).idle_over_busy == pytest.approx([expected] * pp, abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16)])
+def test_zero_bubble_schedules_count_less_bubble_than_interleaved(pp, m):
+    """Splitting the backward into input and weight halves fills the interleaved schedule's bubble
+    (Qi et al. 2024): torch's interleaved zero-bubble and ZB-V orders both count less."""
+    from megatron_hydra.planning.schedule_bubble import schedule_bubble, simulate
+
+    interleaved = schedule_bubble("interleaved_1f1b", pp, 2, m).mean
+    assert schedule_bubble("zero_bubble", pp, 2, m).mean < interleaved
+    assert schedule_bubble("zbv", pp, 2, m).mean < interleaved
+    with pytest.raises(RuntimeError, match="deadlocks"):  # a backward before its forward never runs
+        simulate({0: [("B", 0, 0), ("F", 0, 0)]}, 1)

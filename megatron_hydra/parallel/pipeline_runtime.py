@@ -16,6 +16,11 @@ Two things we need are not public API in torch 2.6-2.13:
   zero and fall back to run-time inference, whose metadata exchange cannot work there either.
   When every stage was given its shapes the outcome is known: ``skip_warmup_vote`` sets it.
 
+- **The schedule's own action order.** ``action_orders`` reads the per-rank list of computations
+  a runtime schedule will run (torch keeps it as ``pipeline_order``), for the contention-free
+  bubble count
+  (``planning.schedule_bubble``).
+
 ``check_supported()`` verifies these names exist before a pipeline is built, so a torch release
 that moved them fails with one line rather than deep inside a schedule.
 """
@@ -23,7 +28,7 @@ that moved them fails with one line rather than deep inside a schedule.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed import pipelining
@@ -32,6 +37,7 @@ from torch.distributed.pipelining import schedules as _schedules
 from megatron_hydra.errors import ConfigError
 
 SUPPORTED = "2.6 to 2.13"
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 _STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
@@ -112,3 +118,45 @@ def skip_warmup_vote(schedule) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = decided
+
+
+def action_orders(schedule_cls, stages_of: Callable[[int], List[int]], pp: int, num_stages: int,
+                  num_microbatches: int) -> Dict[int, List[Tuple[str, int, int]]]:
+    """Per pipeline rank, the computations ``schedule_cls`` runs in order, as (kind, stage,
+    micro-batch) with kind F, B (full backward), I or W (zero-bubble halves); communication
+    actions are left out. ``stages_of(rank)``: the stages a rank holds. A runtime schedule is
+    built for rank 0 on torch's fake process group in this process (nothing is computed or sent;
+    it needs a process without a default process group) and its ``pipeline_order`` read. 1F1B
+    keeps no order (its ``_get_pipeline_order`` display helper is a micro-batch off on later ranks
+    in torch 2.13): its order is the loop of ``Schedule1F1B._step_microbatches``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if schedule_cls is pipelining.Schedule1F1B:
+        return {rank: _one_f_one_b(rank, pp, num_microbatches) for rank in range(pp)}
+    if dist.is_initialized():
+        raise RuntimeError("action_orders builds its own (fake) process group: call it where none is initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [pipelining.PipelineStage(torch.nn.Identity(), index, num_stages, torch.device("cpu"))
+                  for index in stages_of(0)]
+        order = schedule_cls(stages, num_microbatches, loss_fn=lambda out, target: out).pipeline_order
+    finally:
+        dist.destroy_process_group()
+    out = {}
+    for rank, actions in order.items():
+        out[rank] = [(_KINDS[a.computation_type.name], a.stage_index, a.microbatch_index) for a in actions
+                     if a is not None and a.computation_type.name in _KINDS]
+    return out
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> List[Tuple[str, int, int]]:
+    """Torch's 1F1B on stage ``rank``: ``min(m, pp - rank)`` warm-up forwards, then one backward
+    and one forward at a time until the forwards run out, then the remaining backwards."""
+    warmup = min(m, pp - rank)
+    out = [("F", rank, j) for j in range(warmup)]
+    for j in range(m):
+        out.append(("B", rank, j))
+        if warmup + j < m:
+            out.append(("F", rank, warmup + j))
+    return out
