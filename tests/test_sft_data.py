@@ -79,7 +79,7 @@ def test_default_template_loss_mask_is_the_assistant_tokens(tmp_path):
     assert int(item["loss_mask"].sum()) == 3 + 3 + 2  # "yo<eod>", "ok<eod>", "4<eod>"
 
 
-def _word_tokenizer(directory: Path) -> HFTokenizer:
+def _word_tokenizer(directory: Path, template: str = None) -> HFTokenizer:
     """A word-level tokenizer.json with ChatML's special tokens, and a tokenizer_config.json
     holding a ChatML-style chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -91,8 +91,8 @@ def _word_tokenizer(directory: Path) -> HFTokenizer:
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     directory.mkdir(exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    template = template or ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
     return HFTokenizer(str(directory / "tokenizer.json"))
 
@@ -111,6 +111,25 @@ def test_tokenizer_chat_template_loss_mask(tmp_path):
     ids, learned = template.tokens([{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}])
     assert ids.tolist() == [2, 5, 12, 3, 2, 6, 13, 3]
     assert learned.astype(int).tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+
+
+def test_generation_tags_render_and_unsplittable_templates_are_refused(tmp_path):
+    """Hugging Face's {% generation %} tag renders its body; a template that renders the turns in
+    reverse has no prefix structure, so the file's conversation is refused in one line."""
+    tagged = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    ids, learned = load_template(_word_tokenizer(tmp_path / "tagged", tagged)).tokens(
+        [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}])
+    assert ids.tolist() == [2, 5, 12, 3, 2, 6, 13, 3] and learned.astype(int).tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    reverse = "{% for m in messages | reverse %}{{ m['content'] }} {% endfor %}"
+    tokenizer_dir = tmp_path / "reverse"
+    _word_tokenizer(tokenizer_dir, reverse)
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "hi", "response": "hello"}])
+    cfg = compose_config(["data=sft", f"data.path={path}", f"data.tokenizer.path={tokenizer_dir / 'tokenizer.json'}"])
+    with pytest.raises(DataError, match=r"chat\.jsonl: conversation 1: .* prefixes") as err:
+        build_datasets(cfg.data, seq_length=32, seed=0, num_samples=(1, 0, 0), vocab_size=64)
+    assert "\n" not in str(err.value)
 
 
 # Packing -------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Two templates:
   ``tokenizer.json``, as Hugging Face ships it (an import by ``megatron_hydra.convert`` copies it).
   It is rendered in a sandboxed Jinja environment (the file may come from anyone) with the
   variables Hugging Face passes (``messages``, ``add_generation_prompt``, ``bos_token``,
-  ``eos_token``, ``raise_exception``). Which text is the assistant's follows from rendering
+  ``eos_token``, ``raise_exception``; ``{% generation %}`` tags render their body). Which text is the assistant's follows from rendering
   prefixes of the conversation: the assistant turn ``i`` is what ``messages[:i+1]`` adds to
   ``messages[:i]`` rendered with the generation prompt. Each piece is tokenized on its own, so a
   token never straddles a turn boundary. A template whose renders are not prefixes of each other
@@ -66,7 +66,7 @@ class JinjaTemplate:
 
         self.tokenizer, self.where, self.name = tokenizer, where, f"the chat_template of {where}"
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
@@ -111,6 +111,21 @@ class JinjaTemplate:
         ids = [i for part in encoded for i in part]
         learned = [flag for part, (_, flag) in zip(encoded, pieces) for _ in part]
         return np.asarray(ids, np.int64), np.asarray(learned, bool)
+
+
+def _generation_tag():
+    """Hugging Face's ``{% generation %}...{% endgeneration %}`` marks assistant text in some
+    templates; the spans here come from prefix renders, so the tag just renders its body."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def _special(value: Any) -> str:
