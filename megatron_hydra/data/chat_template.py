@@ -10,12 +10,12 @@ Two templates:
   ``tokenizer.json``, as Hugging Face ships it (an import by ``megatron_hydra.convert`` copies it).
   It is rendered in a sandboxed Jinja environment (the file may come from anyone) with the
   variables Hugging Face passes (``messages``, ``add_generation_prompt``, ``bos_token``,
-  ``eos_token``, ``raise_exception``; ``{% generation %}`` tags render their body). Which text is the assistant's follows from rendering
-  prefixes of the conversation: the assistant turn ``i`` is what ``messages[:i+1]`` adds to
-  ``messages[:i]`` rendered with the generation prompt. Each piece is tokenized on its own, so a
+  ``eos_token``, ``raise_exception``; ``{% generation %}`` tags render their body). Which text is
+  the assistant's follows from rendering prefixes of the conversation: the assistant turn ``i`` is
+  what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the generation prompt. Each piece is tokenized on its own, so a
   token never straddles a turn boundary. A template whose renders are not prefixes of each other
   is refused (its turns cannot be told apart).
-- ours (``DEFAULT``), when the tokenizer has none (the byte and BPE tokenizers, GPT-2): every
+- ours (``DefaultTemplate``), when the tokenizer has none (the byte and BPE tokenizers, GPT-2): every
   message is ``<|role|>\\n`` + content + the end-of-document token, e.g.
   ``<|user|>\\nHi<eod><|assistant|>\\nHello<eod>``; loss on ``Hello<eod>``.
 """
