@@ -3,7 +3,7 @@ one-line errors for bad files, and every layout equal to the single process on p
 
 The loss masks are checked against ids written out by hand (the byte tokenizer's bytes; a word-level
 tokenizer's vocabulary), packing against the samples it was given, and the tp2 / pp2 / dp2 runs
-against one single-process run per model form in float64. The fine-tune command the docs give for
+(Llama form) against one single-process run in float64. The fine-tune command the docs give for
 an imported Hugging Face model runs once, as written, on a tiny random GPT-2.
 """
 
@@ -218,12 +218,12 @@ def test_malformed_line_names_file_and_line(tmp_path, line, fragment):
 
 # Layouts equal the single process on packed SFT batches --------------------------------------------
 STEPS = 3
+# The Llama form (rotary positions restarting per packed conversation, grouped-query attention).
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
          "model.num_query_groups=2", "model.add_bias_linear=false", "model.tie_embeddings=false"]
-FORMS = {"gpt": [], "llama": LLAMA}
-LAYOUTS = {"tp2": ("llama", ["parallel.tensor_parallel_size=2", "trainer.devices=2"]),
-           "pp2": ("gpt", ["parallel.pipeline_parallel_size=2", "trainer.devices=2"]),
-           "dp2": ("gpt", ["trainer.devices=2"])}
+LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2", "trainer.devices=2"],
+           "pp2": ["parallel.pipeline_parallel_size=2", "trainer.devices=2"],
+           "dp2": ["trainer.devices=2"]}
 
 
 def _chat_rows(count: int, seed: int):
@@ -242,29 +242,21 @@ def _chat_rows(count: int, seed: int):
 
 
 @pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
-    """The overrides of a 3-step float64 SFT run, and its single-process losses per model form
-    (computed on first use)."""
+def sft_single(tmp_path_factory):
+    """The overrides of a 3-step float64 SFT run and its single-process metrics. Conversations of
+    50-80 tokens, packed 2-3 to a sequence of 160, so positions restart within sequences."""
     path = _write_jsonl(tmp_path_factory.mktemp("sft_data") / "chat.jsonl", _chat_rows(80, 0))
-    base = [*SMALL, "data=sft", f"data.path={path}", "data.tokenizer.type=byte", "model.seq_length=96",
-            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.async_save=false",
-            "trainer.val_check_interval=0"]
-    cache = {}
-
-    def single(form):
-        if form not in cache:
-            cache[form] = run_training([*base, *FORMS[form]], tmp_path_factory.mktemp(f"single_{form}"))
-        return cache[form]
-    return base, single
+    base = [*SMALL, *LLAMA, "data=sft", f"data.path={path}", "data.tokenizer.type=byte", "model.seq_length=160",
+            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.async_save=false"]
+    return base, run_training(base, tmp_path_factory.mktemp("sft_single"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layouts_equal_single_process_on_sft_data(sft_runs, name, tmp_path):
-    base, single = sft_runs
-    form, layout = LAYOUTS[name]
-    rows = run_training([*base, *FORMS[form], *layout], tmp_path)
+def test_layouts_equal_single_process_on_sft_data(sft_single, name, tmp_path):
+    base, reference = sft_single
+    rows = run_training([*base, *LAYOUTS[name]], tmp_path)
     assert [r["step"] for r in rows] == list(range(STEPS))
-    assert_same_trajectory(rows, single(form), rel=1e-9)
+    assert_same_trajectory(rows, reference, rel=1e-9)
 
 
 # The documented fine-tune command for an imported Hugging Face model -------------------------------
