@@ -65,8 +65,7 @@ def write_chats(path: str, count: int, seed: int = 0) -> None:
 
 def epoch_stats(ds, seq: int):
     """(sequences in epoch 0, padding fraction of them)."""
-    bounds, _ = ds.epochs[0]
-    n = len(bounds) - 1
+    n = ds.epoch_size(0)
     used = sum(int((ds[k]["document_ids"] < len(ds.pack(k))).sum()) for k in range(n))
     return n, 1 - used / (n * seq)
 
@@ -111,7 +110,8 @@ def main(conversations: int = 3000, steps: int = 8, seq: int = 512) -> None:
             cfg = bundled.compose(["model=gpt_tiny", f"model.seq_length={seq}", "model.vocab_size=512", "data=sft",
                                    f"data.path={path}", "data.tokenizer.type=byte", f"data.packing={packing}",
                                    "data.split=[1,0,0]", f"data.micro_batch_size={MICRO_BATCH}",
-                                   f"data.global_batch_size={MICRO_BATCH}", f"trainer.max_steps={steps + WARMUP}"])
+                                   f"data.global_batch_size={MICRO_BATCH}", f"trainer.max_steps={steps + WARMUP}",
+                                   "optim.warmup_steps=0"])
             derived = derive(cfg)
             ds, _, _ = build_datasets(cfg.data, seq_length=seq, seed=cfg.data.seed, num_samples=derived.split_samples,
                                       vocab_size=derived.transformer.vocab_size)

@@ -174,9 +174,11 @@ def test_packing_is_lossless(packing):
         assert [ds.pack(k).tolist() for k in range(len(ds))] != [other.pack(k).tolist() for k in range(len(other))]
     else:
         assert len(ds) == len(split)
-    more = SFTDataset(samples, split, 3 * len(ds), seq, seed=5, packing=packing, pad_id=7, split=0)
-    assert len(more) >= 3 * len(ds) and [more.pack(k).tolist() for k in range(len(ds))] == \
-        [ds.pack(k).tolist() for k in range(len(ds))]  # more epochs extend, never change, the first
+    more = SFTDataset(samples, split, 5 * len(ds), seq, seed=5, packing=packing, pad_id=7, split=0)
+    later = [more.pack(k).tolist() for k in range(len(more))]  # epochs 0-4, packed as reached
+    assert len(more) == 5 * len(ds) and later[:len(ds)] == [ds.pack(k).tolist() for k in range(len(ds))]
+    assert [more.pack(k).tolist() for k in range(len(more))] == later  # early epochs packed again, alike
+    assert sorted(i for pack in later[:more.epoch_size(0) + more.epoch_size(1)] for i in pack) == sorted(2 * split.tolist())
 
 
 def test_best_fit_fills_the_gaps_next_fit_leaves():

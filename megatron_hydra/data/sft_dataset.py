@@ -21,9 +21,9 @@ samples of a pack from attending to each other; a model without it attends acros
 as Megatron's packed pretraining does across documents.
 
 Epochs: each epoch is a permutation of the split's samples drawn from ``(seed, split, epoch)``,
-packed on its own (``packing.best_fit_packs``); the dataset is as many epochs as the requested
-number of items needs, so item ``k`` depends only on the file, the tokenizer, ``seq_length``, the
-seed and ``k`` (a resumed run sees what an uninterrupted one would). Every rank builds the same
+packed on its own (``packing.best_fit_packs``) when first reached; the dataset is as many epochs
+as the requested number of items needs, so item ``k`` depends only on the file, the tokenizer,
+``seq_length``, the seed and ``k`` (a resumed run sees what an uninterrupted one would). Every rank builds the same
 datasets; conversations are tokenized in memory at start-up, on every rank.
 """
 
@@ -146,34 +146,55 @@ def tokenize_conversations(path: str, tokenizer: Tokenizer, seq_length: int, voc
 
 
 class SFTDataset(Dataset):
-    """Packs of the samples ``indices`` of ``samples`` (see the module docstring)."""
+    """Packs of the samples ``indices`` of ``samples`` (see the module docstring). Epochs are
+    packed when first reached and only the latest few are kept (an older one is packed again when
+    asked for: it is a pure function of the seed), so a run of many epochs costs neither start-up
+    time nor memory; ``len`` is ``num_items``, or one epoch when that is more."""
+
+    _KEPT_EPOCHS = 2
 
     def __init__(self, samples: SFTSamples, indices: np.ndarray, num_items: int, seq_length: int, seed: int,
                  packing: bool, pad_id: int, split: int):
         if len(indices) == 0:
             raise ValueError("no samples")
-        self.samples, self.seq_length, self.pad_id = samples, seq_length, pad_id
-        lengths = samples.positions[indices]
-        self.epochs: List[Tuple[np.ndarray, np.ndarray]] = []  # (pack starts, sample ids) per epoch
-        total = 0
-        while total < max(1, num_items):
-            rng = np.random.RandomState([seed & 0xFFFFFFFF, split, len(self.epochs)])
-            order = rng.permutation(len(indices))
-            packs = best_fit_packs(lengths[order], seq_length) if packing else one_per_pack(len(order))
-            flat = np.asarray([indices[order[i]] for pack in packs for i in pack], np.int64)
+        self.samples, self.indices, self.seq_length, self.pad_id = samples, indices, seq_length, pad_id
+        self.seed, self.packing, self.split = seed, packing, split
+        self._lengths = samples.positions[indices]
+        self._kept: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._ends: List[int] = []  # items before the end of each epoch packed so far
+        self._length = max(num_items, self.epoch_size(0))
+
+    def epoch(self, e: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Epoch ``e`` as (pack bounds, sample ids): pack ``p`` is ``ids[bounds[p]:bounds[p+1]]``."""
+        if e not in self._kept:
+            rng = np.random.RandomState([self.seed & 0xFFFFFFFF, self.split, e])
+            order = rng.permutation(len(self.indices))
+            packs = best_fit_packs(self._lengths[order], self.seq_length) if self.packing else one_per_pack(len(order))
+            flat = self.indices[order[np.concatenate(packs)]].astype(np.int64)
             bounds = np.cumsum([0] + [len(p) for p in packs]).astype(np.int64)
-            self.epochs.append((bounds, flat))
-            total += len(packs)
-        self.epoch_ends = np.cumsum([len(b) - 1 for b, _ in self.epochs])
+            if len(self._kept) >= self._KEPT_EPOCHS:
+                del self._kept[min(self._kept)]
+            self._kept[e] = (bounds, flat)
+            if e == len(self._ends):
+                self._ends.append((self._ends[-1] if self._ends else 0) + len(packs))
+        return self._kept[e]
+
+    def epoch_size(self, e: int) -> int:
+        """The number of packs (items) of epoch ``e``."""
+        return len(self.epoch(e)[0]) - 1
 
     def __len__(self) -> int:
-        return int(self.epoch_ends[-1])
+        return self._length
 
     def pack(self, idx: int) -> np.ndarray:
         """The sample ids of item ``idx``, in their order in the sequence."""
-        epoch = int(np.searchsorted(self.epoch_ends, idx, side="right"))
-        local = idx - (int(self.epoch_ends[epoch - 1]) if epoch else 0)
-        bounds, flat = self.epochs[epoch]
+        if not 0 <= idx < self._length:
+            raise IndexError(f"item {idx} of {self._length}")
+        while self._ends[-1] <= idx:
+            self.epoch(len(self._ends))
+        e = int(np.searchsorted(self._ends, idx, side="right"))
+        bounds, flat = self.epoch(e)
+        local = idx - (self._ends[e - 1] if e else 0)
         return flat[bounds[local]:bounds[local + 1]]
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
