@@ -33,7 +33,7 @@ import torch
 
 from megatron_hydra.config import bundled, derive
 from megatron_hydra.data.builders import build_datasets
-from megatron_hydra.data.packing import best_fit_packs
+from megatron_hydra.data.packing import best_fit_packs, padding_fraction
 from megatron_hydra.models.archs import masked_mean
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
@@ -133,7 +133,7 @@ def main(conversations: int = 3000, steps: int = 8, seq: int = 512) -> None:
     packs = best_fit_packs(lengths, seq)
     took = time.perf_counter() - start
     print(f"best_fit_packs: 100000 conversations into {len(packs)} sequences of {seq} in {took:.2f} s "
-          f"(padding {1 - lengths.sum() / (len(packs) * seq):.1%})")
+          f"(padding {padding_fraction(packs, lengths, seq):.1%})")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ an imported Hugging Face model runs once, as written, on a tiny random GPT-2.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,8 @@ from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.chat_template import JinjaTemplate, load_template
 from megatron_hydra.data.packing import best_fit_packs
 from megatron_hydra.data.sft_dataset import SFTDataset, SFTSamples, read_conversations
-from megatron_hydra.data.tokenizers import ByteTokenizer, HFTokenizer
-from megatron_hydra.errors import DataError
+from megatron_hydra.data.tokenizers import HFTokenizer
+from megatron_hydra.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 EOD = 256  # the byte tokenizer's end of document
@@ -216,6 +215,14 @@ def test_malformed_line_names_file_and_line(tmp_path, line, fragment):
         read_conversations(path)
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"{path}:3: ") and fragment in message
+
+
+@pytest.mark.parametrize("overrides, key", [([], "data.path"), (["data.path=chat.jsonl"], "data.tokenizer.path")])
+def test_missing_file_or_tokenizer_named(overrides, key):
+    cfg = compose_config(["data=sft", *overrides])
+    with pytest.raises((DataError, ConfigError), match=key) as err:
+        build_datasets(cfg.data, seq_length=32, seed=0, num_samples=(1, 0, 0), vocab_size=500)
+    assert "\n" not in str(err.value)
 
 
 # Layouts equal the single process on packed SFT batches --------------------------------------------

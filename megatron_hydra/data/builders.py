@@ -176,8 +176,8 @@ def build_tokenizer_for(data_cfg) -> Tokenizer:
         return build_tokenizer(tok_cfg)
     tok_cfg = data_cfg.tokenizer
     if data_cfg.name == "sft" and tok_cfg.type in ("hf", "sentencepiece") and not tok_cfg.path:
-        raise DataError(f"data=sft: data.tokenizer.path is not set and checkpoint.load has no tokenizer.json: "
-                        f"set data.tokenizer.path to the model's tokenizer, or data.tokenizer.type=byte")
+        raise DataError("data=sft: data.tokenizer.path is not set, nor checkpoint.load (whose tokenizer.json it "
+                        "would be): set data.tokenizer.path to the model's tokenizer, or data.tokenizer.type=byte")
     if data_cfg.name in INDEXED and tok_cfg.type == "bpe" and not tok_cfg.path:
         # preprocess saved it as OUTPUT_PREFIX_tokenizer.json beside OUTPUT_PREFIX_KEY_document.*
         prefix = parse_blend(data_cfg.blend)[0][1]
