@@ -30,7 +30,7 @@ CHOICES = {
     "optim.lr_schedule": ("cosine", "linear", "constant"),
     "optim.name": ("adamw",),
     "trainer.accelerator": ("cpu", "gpu"),
-    "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5"),
+    "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft"),
     "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe"),
     "mode": ("train", "plan", "plan_layouts", "dry_run"),
     "recompute.method": ("uniform", "block"),

@@ -19,12 +19,16 @@ config the workers get, and every checkpoint records, holds the batch the run tr
     precision.params_dtype  bfloat16 on gpu (fp32 main weights and grads), float32 on cpu
     data.num_workers        2 on gpu (batches read and pinned while the GPU computes), 0 on cpu
 
+and, for fine-tuning (``data=sft``) with a null ``data.tokenizer.path`` and a ``checkpoint.load``,
+the tokenizer is the ``tokenizer.json`` of that directory (an import by ``megatron_hydra.convert``).
+
 Explicit values always win, and resolving twice changes nothing.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Optional
 
 from megatron_hydra.config.derive import global_batch_size
@@ -54,6 +58,9 @@ def resolve(cfg: RunConfig, visible_gpus: int, local_ranks: Optional[int] = None
         cfg.precision.params_dtype = "bfloat16" if gpu else "float32"
     if cfg.data.num_workers == AUTO:
         cfg.data.num_workers = GPU_LOADER_WORKERS if gpu else 0
+    tok = cfg.data.tokenizer
+    if cfg.data.name == "sft" and tok.type == "hf" and not tok.path and cfg.checkpoint.load:
+        tok.path = os.path.join(cfg.checkpoint.load, "tokenizer.json")
     if cfg.data.global_batch_size is None and cfg.mode != "plan_layouts":  # the planner varies dp itself
         try:
             cfg.data.global_batch_size = global_batch_size(cfg)

@@ -177,7 +177,7 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | demo | indexed (indexed_bert, indexed_t5: its BERT / T5 presets)
+    name: str = "synthetic"  # synthetic | demo | indexed (indexed_bert, indexed_t5: its BERT / T5 presets) | sft
     micro_batch_size: int = 4
     # Samples per optimizer step, over all data-parallel ranks. null -> micro_batch_size x dp x pp:
     # one micro-batch per data-parallel rank and pipeline stage, the smallest batch every pipeline
@@ -203,6 +203,10 @@ class DataConfig:
     short_seq_prob: float = 0.1
     whole_word_masking: bool = False
     mean_noise_span_length: float = 3.0
+    # sft: the jsonl file of conversations, and whether samples are packed into model.seq_length
+    # (data/sft_dataset.py, docs/data.md).
+    path: Optional[str] = None
+    packing: bool = True
 
 
 @dataclass

@@ -9,7 +9,8 @@ whose experts the model stacks in one parameter.
 Import writes a weights-only checkpoint (``checkpoint.standalone``) that any layout loads, since
 checkpoints are layout-free: ``parallel`` only checks that the model splits that way and goes
 into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model config for
-``launch.py --config-dir``) and the model's ``tokenizer.json`` when it has one. Vocabulary tables
+``launch.py --config-dir``) and the model's ``tokenizer.json`` (with its ``tokenizer_config.json``,
+which holds the chat template) when it has one. Vocabulary tables
 are stored unpadded, as every checkpoint stores them; each run pads them to its own TP multiple.
 
 Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
@@ -42,6 +43,7 @@ from megatron_hydra.parallel.state import ParallelState
 
 FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral)}
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 CORPUS_PLACEHOLDER = "path/to/corpus_text_document"  # BERT and T5 train on sentence-split data
 
 
@@ -153,6 +155,10 @@ def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
     if os.path.isfile(tokenizer):
         shutil.copyfile(tokenizer, os.path.join(output, TOKENIZER))
+        # Its chat template, if any, is what data=sft renders conversations with.
+        settings = os.path.join(os.path.dirname(tokenizer), TOKENIZER_CONFIG)
+        if os.path.isfile(settings):
+            shutil.copyfile(settings, os.path.join(output, TOKENIZER_CONFIG))
 
 
 def _family_for(tcfg):

@@ -20,6 +20,7 @@ from megatron_hydra.data import demo
 from megatron_hydra.data.blending import BlendedDataset
 from megatron_hydra.data.gpt_dataset import GPTDataset, default_cache_dir
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.sft_dataset import build_sft_datasets, tokenize_conversations
 from megatron_hydra.data.synthetic import SyntheticDataset
 from megatron_hydra.data.tokenizers import Tokenizer, build_tokenizer
 from megatron_hydra.errors import ConfigError, DataError
@@ -123,6 +124,8 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
     if data_cfg.name == "synthetic":
         return tuple(SyntheticDataset(max(n, 1), seq_length, vocab_size, seed + i) if n > 0 or i == 0 else None
                      for i, n in enumerate(num_samples))
+    if data_cfg.name == "sft":
+        return _sft_datasets(data_cfg, seq_length, seed, num_samples, vocab_size)
     corpora = _corpora(data_cfg)
     opened = [(w, IndexedDataset(p)) for w, p in corpora]
     for _, ds in opened:
@@ -155,12 +158,26 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
     return out[0], out[1], out[2]
 
 
+def _sft_datasets(data_cfg, seq_length: int, seed: int, num_samples: Tuple[int, int, int], vocab_size: int):
+    """Fine-tuning conversations (``data_cfg.path``), split by conversations (``sft_dataset``)."""
+    if not data_cfg.path:
+        raise ConfigError("data.path is not set: data=sft reads a jsonl file of conversations, e.g. data.path=chat.jsonl")
+    proportions = parse_split(data_cfg.split)
+    tokenizer = build_tokenizer_for(data_cfg)
+    samples = tokenize_conversations(data_cfg.path, tokenizer, seq_length, vocab_size)
+    return build_sft_datasets(samples, split_documents(len(samples), proportions), num_samples, seq_length, seed,
+                              data_cfg.packing, tokenizer.eod, data_cfg.path)
+
+
 def build_tokenizer_for(data_cfg) -> Tokenizer:
     """The tokenizer that produced the corpus of ``data_cfg``, e.g. to decode samples."""
     if data_cfg.name == "demo":
         _, tok_cfg = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
         return build_tokenizer(tok_cfg)
     tok_cfg = data_cfg.tokenizer
+    if data_cfg.name == "sft" and tok_cfg.type in ("hf", "sentencepiece") and not tok_cfg.path:
+        raise DataError("data=sft: data.tokenizer.path is not set, nor checkpoint.load (whose tokenizer.json it "
+                        "would be): set data.tokenizer.path to the model's tokenizer, or data.tokenizer.type=byte")
     if data_cfg.name in INDEXED and tok_cfg.type == "bpe" and not tok_cfg.path:
         # preprocess saved it as OUTPUT_PREFIX_tokenizer.json beside OUTPUT_PREFIX_KEY_document.*
         prefix = parse_blend(data_cfg.blend)[0][1]

@@ -1,0 +1,235 @@
+"""Supervised fine-tuning samples (``data=sft``): conversations from a jsonl file, packed.
+
+Each line of ``data.path`` is one sample, either ``{"messages": [{"role": "system" | "user" |
+"assistant", "content": "..."}, ...]}`` (at least one assistant message) or ``{"prompt": "...",
+"response": "..."}`` (a user message and the assistant's answer). Blank lines are skipped; any
+other line that is not such an object stops the run with the file and line number.
+
+A conversation becomes token ids and a learned flag per id (``chat_template``). As a training
+sample of ``n`` ids it occupies ``n - 1`` positions: inputs ``ids[:-1]``, labels ``ids[1:]``, and
+``loss_mask`` the flags of the labels, so the loss covers exactly the assistant's tokens. A
+conversation longer than ``seq_length + 1`` ids is truncated to its first ``seq_length + 1`` (its
+beginning is kept, the tail dropped); one whose assistant tokens all fall beyond that is left out,
+and the count of those is logged.
+
+Samples are packed (``packing``) into sequences of ``seq_length``: each sample keeps its own
+positions (``position_ids`` restart at 0) and gets its own ``document_ids`` value (0, 1, ... along
+the sequence); the padding at the end of a pack is one more document, with ``loss_mask`` 0. The
+batch fields are ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and ``document_ids``, all
+``[seq_length]`` per item. ``document_ids`` is what document-masked attention needs to keep the
+samples of a pack from attending to each other; a model without it attends across them (causally),
+as Megatron's packed pretraining does across documents.
+
+Epochs: each epoch is a permutation of the split's samples drawn from ``(seed, split, epoch)``,
+packed on its own (``packing.best_fit_packs``) when first reached; the dataset is as many epochs
+as the requested number of items needs, so item ``k`` depends only on the file, the tokenizer,
+``seq_length``, the seed and ``k`` (a resumed run sees what an uninterrupted one would). Every rank builds the same
+datasets; conversations are tokenized in memory at start-up, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron_hydra.data.chat_template import ROLES, load_template
+from megatron_hydra.data.packing import best_fit_packs, one_per_pack
+from megatron_hydra.data.tokenizers import Tokenizer
+from megatron_hydra.errors import DataError
+
+log = logging.getLogger(__name__)
+_FORMS = ('{"messages": [{"role": ..., "content": ...}, ...]}', '{"prompt": ..., "response": ...}')
+
+
+def _messages(obj, where: str) -> List[Dict[str, str]]:
+    """The conversation of one parsed jsonl line, checked."""
+    expected = f"expected {_FORMS[0]} or {_FORMS[1]}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a JSON {type(obj).__name__}, {expected}")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: 'messages' must be a non-empty list, {expected}")
+        for j, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: message {j} is not {{\"role\": {'|'.join(ROLES)}, \"content\": a string}}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message, so nothing to learn; add one or remove the line")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+    raise DataError(f"{where}: {expected}")
+
+
+def read_conversations(path: str) -> List[List[Dict[str, str]]]:
+    """Every conversation of the jsonl file ``path``; a bad line is a one-line DataError naming
+    the file and line."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise DataError(f"data.path={path}: no such file; point it at a jsonl file of conversations")
+    out = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            out.append(_messages(obj, where))
+    if not out:
+        raise DataError(f"data.path={path}: no conversations in the file")
+    return out
+
+
+@dataclass
+class SFTSamples:
+    """Tokenized conversations, concatenated: sample ``i`` is ``ids[starts[i]:starts[i+1]]`` with
+    its learned flags in ``learned`` (already truncated to ``seq_length + 1`` ids)."""
+
+    ids: np.ndarray
+    learned: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Positions each sample occupies in a pack (its ids minus one)."""
+        return np.diff(self.starts) - 1
+
+    def sample(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
+        return self.ids[self.starts[i]:self.starts[i + 1]], self.learned[self.starts[i]:self.starts[i + 1]]
+
+
+def tokenize_conversations(path: str, tokenizer: Tokenizer, seq_length: int, vocab_size: int) -> SFTSamples:
+    """Read, render and tokenize ``path`` (see the module docstring for truncation)."""
+    template = load_template(tokenizer)
+    ids, flags, starts, dropped = [], [], [0], 0
+    for number, messages in enumerate(read_conversations(path), start=1):
+        try:
+            tokens, learned = template.tokens(messages)
+        except ValueError as e:
+            raise DataError(f"{path}: conversation {number}: {e}") from None
+        tokens, learned = tokens[: seq_length + 1], learned[: seq_length + 1]
+        if len(tokens) < 2 or not learned[1:].any():
+            dropped += 1
+            continue
+        ids.append(tokens)
+        flags.append(learned)
+        starts.append(starts[-1] + len(tokens))
+    if dropped:
+        log.warning("%s: %d conversation(s) left out: no assistant token within the first %d tokens "
+                    "(raise model.seq_length to keep them)", path, dropped, seq_length + 1)
+    if len(starts) == 1:
+        raise DataError(f"{path}: no conversation has an assistant token within model.seq_length={seq_length}")
+    samples = SFTSamples(np.concatenate(ids), np.concatenate(flags), np.asarray(starts, np.int64))
+    top = int(samples.ids.max())
+    if top >= vocab_size or int(samples.ids.min()) < 0:
+        raise DataError(f"{path}: token id {top} (tokenizer of {tokenizer.vocab_size} ids, template "
+                        f"{template.name}) >= the model's vocabulary size {vocab_size}; raise model.vocab_size")
+    log.info("%s: %d conversations, chat template: %s", path, len(samples), template.name)
+    return samples
+
+
+class SFTDataset(Dataset):
+    """Packs of the samples ``indices`` of ``samples`` (see the module docstring). Epochs are
+    packed when first reached and only the latest few are kept (an older one is packed again when
+    asked for: it is a pure function of the seed), so a run of many epochs costs neither start-up
+    time nor memory; ``len`` is ``num_items``, or one epoch when that is more."""
+
+    _KEPT_EPOCHS = 2
+
+    def __init__(self, samples: SFTSamples, indices: np.ndarray, num_items: int, seq_length: int, seed: int,
+                 packing: bool, pad_id: int, split: int):
+        if len(indices) == 0:
+            raise ValueError("no samples")
+        self.samples, self.indices, self.seq_length, self.pad_id = samples, indices, seq_length, pad_id
+        self.seed, self.packing, self.split = seed, packing, split
+        self._lengths = samples.positions[indices]
+        self._kept: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._ends: List[int] = []  # items before the end of each epoch packed so far
+        self._length = max(num_items, self.epoch_size(0))
+
+    def epoch(self, e: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Epoch ``e`` as (pack bounds, sample ids): pack ``p`` is ``ids[bounds[p]:bounds[p+1]]``."""
+        if e not in self._kept:
+            rng = np.random.RandomState([self.seed & 0xFFFFFFFF, self.split, e])
+            order = rng.permutation(len(self.indices))
+            packs = best_fit_packs(self._lengths[order], self.seq_length) if self.packing else one_per_pack(len(order))
+            flat = self.indices[order[np.concatenate(packs)]].astype(np.int64)
+            bounds = np.cumsum([0] + [len(p) for p in packs]).astype(np.int64)
+            if len(self._kept) >= self._KEPT_EPOCHS:
+                del self._kept[min(self._kept)]
+            self._kept[e] = (bounds, flat)
+            if e == len(self._ends):
+                self._ends.append((self._ends[-1] if self._ends else 0) + len(packs))
+        return self._kept[e]
+
+    def epoch_size(self, e: int) -> int:
+        """The number of packs (items) of epoch ``e``."""
+        return len(self.epoch(e)[0]) - 1
+
+    def __len__(self) -> int:
+        return self._length
+
+    def pack(self, idx: int) -> np.ndarray:
+        """The sample ids of item ``idx``, in their order in the sequence."""
+        if not 0 <= idx < self._length:
+            raise IndexError(f"item {idx} of {self._length}")
+        while self._ends[-1] <= idx:
+            self.epoch(len(self._ends))
+        e = int(np.searchsorted(self._ends, idx, side="right"))
+        bounds, flat = self.epoch(e)
+        local = idx - (self._ends[e - 1] if e else 0)
+        return flat[bounds[local]:bounds[local + 1]]
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        s = self.seq_length
+        tokens = np.full(s, self.pad_id, np.int64)
+        labels = np.full(s, self.pad_id, np.int64)
+        loss_mask = np.zeros(s, np.float32)
+        position_ids = np.zeros(s, np.int64)
+        document_ids = np.zeros(s, np.int64)
+        at = 0
+        members = self.pack(idx)
+        for doc, i in enumerate(members):
+            ids, learned = self.samples.sample(int(i))
+            n = len(ids) - 1
+            tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
+            loss_mask[at:at + n] = learned[1:]
+            position_ids[at:at + n] = np.arange(n)
+            document_ids[at:at + n] = doc
+            at += n
+        position_ids[at:] = np.arange(s - at)
+        document_ids[at:] = len(members)
+        return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
+                "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.from_numpy(position_ids),
+                "document_ids": torch.from_numpy(document_ids)}
+
+
+def build_sft_datasets(samples: SFTSamples, splits: Sequence[np.ndarray], num_samples: Sequence[int],
+                       seq_length: int, seed: int, packing: bool, pad_id: int, path: str):
+    """Train, valid and test ``SFTDataset``s over the sample ranges ``splits`` (None where a split
+    has no samples or none are requested)."""
+    out = []
+    for s, (n, part) in enumerate(zip(num_samples, splits)):
+        if s == 0 and not len(part):
+            raise DataError(f"{path}: the train split is empty ({len(samples)} usable conversations); "
+                            f"give it a share in data.split or add conversations")
+        out.append(SFTDataset(samples, part, n, seq_length, seed, packing, pad_id, s)
+                   if len(part) and (n > 0 or s == 0) else None)
+    return tuple(out)
