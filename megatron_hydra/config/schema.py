@@ -199,6 +199,12 @@ class DataConfig:
     short_seq_prob: float = 0.1
     whole_word_masking: bool = False
     mean_noise_span_length: float = 3.0
+    # Documents inside a GPT sample, from its EOD tokens (Megatron-LM's options; docs/data.md):
+    # no loss where the input token is EOD; positions restarting at 0 after each EOD; attention
+    # within each document only (block-diagonal causal). demo and indexed data, GPT family.
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
 
 @dataclass

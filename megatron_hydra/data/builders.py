@@ -20,6 +20,7 @@ from megatron_hydra.data import demo
 from megatron_hydra.data.blending import BlendedDataset
 from megatron_hydra.data.gpt_dataset import GPTDataset, default_cache_dir
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.packed_documents import DocumentFlags
 from megatron_hydra.data.synthetic import SyntheticDataset
 from megatron_hydra.data.tokenizers import Tokenizer, build_tokenizer
 from megatron_hydra.errors import ConfigError, DataError
@@ -147,12 +148,21 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
         weights = [w for w, _, _ in parts]
         sizes = [num_samples[s]] if len(parts) == 1 else BlendedDataset.required_sizes(weights, num_samples[s])
         if make_dataset is None:
-            datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name)
+            flags = document_flags(data_cfg)
+            datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name, flags)
                         for (_, ds, docs), n in zip(parts, sizes)]
         else:
             datasets = [make_dataset(ds, docs, int(n), name) for (_, ds, docs), n in zip(parts, sizes)]
         out.append(datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples[s]))
     return out[0], out[1], out[2]
+
+
+def document_flags(data_cfg) -> Optional[DocumentFlags]:
+    """The EOD options of ``data_cfg`` (``data.eod_mask_loss``, ``data.reset_position_ids``,
+    ``data.reset_attention_mask``) with the corpus tokenizer's EOD id; None when all are off."""
+    flags = [bool(getattr(data_cfg, key, False)) for key in ("eod_mask_loss", "reset_position_ids",
+                                                              "reset_attention_mask")]
+    return DocumentFlags(build_tokenizer_for(data_cfg).eod, *flags) if any(flags) else None
 
 
 def build_tokenizer_for(data_cfg) -> Tokenizer:
