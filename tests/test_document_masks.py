@@ -1,11 +1,11 @@
 """Documents inside GPT samples (data.eod_mask_loss, data.reset_position_ids,
 data.reset_attention_mask): the batch fields against hand-built streams and a plain loop, a packed
 sequence against its documents run one by one (fp64), context-parallel attention with documents
-against the full masked attention, and tp2+sp and cp2 training runs against the single process."""
+against the full masked attention, and training runs under TP+SP, CP (ring and Ulysses), PP and
+recompute against the single process (fp64, 1e-9)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -175,9 +175,14 @@ def corpus_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [
-    ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "trainer.devices=2"],
+    ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "trainer.devices=2",
+     "recompute.granularity=full"],
     ["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "trainer.devices=2"],
-], ids=["tp2_sp", "cp2_p2p"])
+    ["parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a", "parallel.pipeline_parallel_size=2",
+     "trainer.devices=4", "recompute.granularity=selective"],
+    ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "trainer.devices=4",
+     "parallel.context_parallel_size=2", "recompute.granularity=selective"],
+], ids=["tp2_sp_full_recompute", "cp2_p2p", "cp2_a2a_pp2", "tp2_sp_cp2_selective"])
 def test_layouts_equal_the_single_process(corpus_run, layout, tmp_path):
     base, reference = corpus_run
     rows = run_training([*base, *layout], tmp_path)
@@ -197,3 +202,14 @@ def test_bad_settings_are_one_line_errors(overrides, key):
     with pytest.raises(ConfigError, match=key) as err:
         derive(compose_config([o for o in SMALL if not o.startswith("data=")] + overrides))
     assert "\n" not in str(err.value)
+
+
+def test_dry_run_batches_carry_the_document_fields():
+    """mode=dry_run steps a GPU job with the fields the datasets yield, so the masked attention runs."""
+    from megatron_hydra.training.dry_run import _fake_batch
+
+    cfg = compose_config(["data=indexed", "data.blend=[unused]", "model=gpt_tiny", "data.reset_attention_mask=true",
+                          "data.reset_position_ids=true", "parallel.context_parallel_size=2", "trainer.devices=2"])
+    batch = _fake_batch(cfg, derive(cfg), ParallelState.single())
+    assert batch["document_ids"].dtype == batch["position_ids"].dtype == torch.int64
+    assert batch["document_ids"].shape == batch["tokens"].shape
