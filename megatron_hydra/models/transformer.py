@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.context_parallel import context_parallel_attention
-from megatron_hydra.parallel.document_masks import document_mask
+from megatron_hydra.parallel.document_masks import document_attention
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers
@@ -145,13 +145,11 @@ class Attention(nn.Module):
         if self.cp_group is not None:
             return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, self.causal,
                                               self.cfg.softmax_scale, document_ids)
-        if document_ids is not None:  # built per layer, in q's dtype (autocast's, if any)
-            if mask is not None or not self.causal:
-                raise ValueError("document_ids mask a causal self-attention that has no other mask")
-            mask = document_mask(document_ids, q.dtype)
+        if document_ids is not None and (mask is not None or not self.causal):
+            raise ValueError("document_ids mask a causal self-attention that has no other mask")
         if self.training and self.cfg.recompute_granularity == "selective":
-            return checkpoint(self.core_attention, q, k, v, mask)
-        return self.core_attention(q, k, v, mask)
+            return checkpoint(self.core_attention, q, k, v, mask, document_ids)
+        return self.core_attention(q, k, v, mask, document_ids)
 
     def _cross_qkv(self, x: torch.Tensor, context: torch.Tensor):
         b, s, _ = x.shape
@@ -161,14 +159,17 @@ class Attention(nn.Module):
         return q, kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d],
         all of the sequence on this rank (generation's KV cache calls it too).
         ``mask`` (broadcast to [b, heads, s_q, s_k]): boolean (True = attend) or additive float,
         which also carries a position bias (T5); it replaces the causal mask, so a causal
-        attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d)."""
+        attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d).
+        ``document_ids`` ([b, s]): causal within each document instead (``parallel.document_masks``)."""
         p = self.cfg.attention_dropout if self.training else 0.0
         with tp_rng(sharded=True) if p > 0 else nullcontext():
+            if document_ids is not None:
+                return document_attention(q, k, v, document_ids, self.cfg.softmax_scale, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None,
                                                   scale=self.cfg.softmax_scale, enable_gqa=self.heads_per_group > 1)
 

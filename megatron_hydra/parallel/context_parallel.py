@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.block_attention import (accumulation_dtype, attention_with_lse,
                                                      attention_with_lse_backward, merge_into)
-from megatron_hydra.parallel.document_masks import additive, allowed, document_mask
+from megatron_hydra.parallel.document_masks import additive, allowed, document_attention
 
 
 def balanced_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -75,9 +75,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if document_ids is not None and not causal:
         raise ValueError("document_ids: documents mask a causal attention only")
     if C.group_size(group) == 1:
-        mask = None if document_ids is None else document_mask(document_ids, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              scale=scale, enable_gqa=gqa)
+        if document_ids is not None:
+            return document_attention(q, k, v, document_ids, scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     all_ids = None if document_ids is None else C.all_gather(document_ids.contiguous(), 1, group)  # rank by rank
     if comm_type == "p2p":
         return _RingAttention.apply(q, k, v, group, causal, q.shape[-1] ** -0.5 if scale is None else scale, all_ids)
@@ -258,9 +258,10 @@ def _ulysses_attention(q, k, v, group, causal, scale, all_ids=None):
     order = torch.cat([balanced_positions(seq, cp, j, device=q.device) for j in range(cp)])
     inverse = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, group, order, inverse) for t in (q, k, v))
-    mask = None if all_ids is None else document_mask(all_ids.index_select(1, inverse), q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    if all_ids is not None:
+        out = document_attention(q, k, v, all_ids.index_select(1, inverse), scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _HeadsToSeq.apply(out, group, order, inverse)
 
 
