@@ -180,9 +180,7 @@ def corpus_run(tmp_path_factory):
     ["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "trainer.devices=2"],
     ["parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a", "parallel.pipeline_parallel_size=2",
      "trainer.devices=4", "recompute.granularity=selective"],
-    ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "trainer.devices=4",
-     "parallel.context_parallel_size=2", "recompute.granularity=selective"],
-], ids=["tp2_sp_full_recompute", "cp2_p2p", "cp2_a2a_pp2", "tp2_sp_cp2_selective"])
+], ids=["tp2_sp_full_recompute", "cp2_p2p", "cp2_a2a_pp2_selective_recompute"])
 def test_layouts_equal_the_single_process(corpus_run, layout, tmp_path):
     base, reference = corpus_run
     rows = run_training([*base, *layout], tmp_path)
