@@ -77,8 +77,7 @@ class GPTModel(nn.Module):
         seq]): attention stays within each document of a packed sequence (``data.reset_attention_mask``)."""
         offset = 0 if kv_cache is None else kv_cache.offset
         x = self.embed(tokens, offset, position_ids) if self.pre_process else tokens
-        extra = {} if document_ids is None else {"document_ids": document_ids}
-        x = self.layers(x, kv_cache=kv_cache, position_ids=position_ids, **extra)
+        x = self.layers(x, kv_cache=kv_cache, position_ids=position_ids, document_ids=document_ids)
         if not self.post_process:
             return x
         logits = self.head(x)

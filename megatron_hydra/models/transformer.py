@@ -248,9 +248,8 @@ class Block(nn.Module):
         ``context_mask``: what cross-attention attends to, and its mask; ``position_ids``: the
         positions of x's tokens (context parallelism, reset positions), for rotary embeddings;
         ``document_ids``: the documents self-attention stays within (``Attention.forward``)."""
-        kwargs = {"position_ids": position_ids} if document_ids is None else {
-            "position_ids": position_ids, "document_ids": document_ids}
-        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, **kwargs))
+        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, position_ids=position_ids,
+                                                                    document_ids=document_ids))
         if self.cross:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attention(h, mask=context_mask, context=context))
         return self._residual(x, self.norm2, self.mlp)
