@@ -195,6 +195,8 @@ def test_layouts_equal_the_single_process(corpus_run, layout, tmp_path):
      "data.reset_position_ids"),
     (["data=demo", "data.reset_attention_mask=true", "model.transformer_impl=transformer_engine"],
      "model.transformer_impl=local"),
+    (["data=demo", "data.reset_position_ids=true", "model.transformer_impl=transformer_engine"],
+     "data.reset_position_ids=true: .* model.transformer_impl=local"),
 ])
 def test_bad_settings_are_one_line_errors(overrides, key):
     with pytest.raises(ConfigError, match=key) as err:

@@ -406,7 +406,8 @@ DOCUMENT_KEYS = ("data.eod_mask_loss", "data.reset_position_ids", "data.reset_at
 
 def _check_documents(cfg: RunConfig) -> None:
     """The EOD options (``data.packed_documents``) need samples with EOD tokens (GPT samples of
-    demo or indexed data); document masks run in the local attention."""
+    demo or indexed data); reset positions and document masks reach the local attention only
+    (``models.te_layers`` takes neither)."""
     on = [key for key in DOCUMENT_KEYS if _get(cfg, key)]
     if not on:
         return
@@ -416,8 +417,9 @@ def _check_documents(cfg: RunConfig) -> None:
     if cfg.data.name not in ("demo", "indexed"):
         raise ConfigError(f"{on[0]}=true needs documents that end with an EOD token, which data.name="
                           f"{cfg.data.name} samples have none of: use data=demo or data=indexed, or set it to false")
-    if cfg.data.reset_attention_mask and cfg.model.transformer_impl != "local":
-        raise ConfigError(f"data.reset_attention_mask=true masks attention by document in the local attention only: "
+    reset = [key for key in DOCUMENT_KEYS[1:] if _get(cfg, key)]
+    if reset and cfg.model.transformer_impl != "local":
+        raise ConfigError(f"{reset[0]}=true: per-document positions and masks run in the local attention only: "
                           f"set model.transformer_impl=local (checkpoints load under either)")
 
 
