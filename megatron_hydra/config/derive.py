@@ -403,6 +403,28 @@ def _check_context_parallel(cfg: RunConfig, tp: int, cp: int) -> None:
                           "model.transformer_impl=local, or parallel.context_parallel_size=1")
 
 
+DOCUMENT_KEYS = ("data.eod_mask_loss", "data.reset_position_ids", "data.reset_attention_mask")
+
+
+def _check_documents(cfg: RunConfig) -> None:
+    """The EOD options (``data.packed_documents``) need samples with EOD tokens (GPT samples of
+    demo or indexed data); reset positions and document masks reach the local attention only
+    (``models.te_layers`` takes neither)."""
+    on = [key for key in DOCUMENT_KEYS if _get(cfg, key)]
+    if not on:
+        return
+    if cfg.model.arch != "gpt":
+        raise ConfigError(f"{on[0]}=true applies to the GPT family: model.arch={cfg.model.arch} builds its own "
+                          "samples; set it to false")
+    if cfg.data.name not in ("demo", "indexed"):
+        raise ConfigError(f"{on[0]}=true needs documents that end with an EOD token, which data.name="
+                          f"{cfg.data.name} samples have none of: use data=demo or data=indexed, or set it to false")
+    reset = [key for key in DOCUMENT_KEYS[1:] if _get(cfg, key)]
+    if reset and cfg.model.transformer_impl != "local":
+        raise ConfigError(f"{reset[0]}=true: per-document positions and masks run in the local attention only: "
+                          f"set model.transformer_impl=local (checkpoints load under either)")
+
+
 FSDP_SCHEDULES = ("1f1b",)
 
 
@@ -479,6 +501,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
     _check_fsdp(cfg, pp)
     _check_context_parallel(cfg, tp, cp)
+    _check_documents(cfg)
     moe, moe_layers = moe_spec(cfg, ffn, dp, tp, cp)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:

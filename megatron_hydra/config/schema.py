@@ -207,6 +207,12 @@ class DataConfig:
     # (data/sft_dataset.py, docs/data.md).
     path: Optional[str] = None
     packing: bool = True
+    # Documents inside a GPT sample, from its EOD tokens (Megatron-LM's options; docs/data.md):
+    # no loss where the input token is EOD; positions restarting at 0 after each EOD; attention
+    # within each document only (block-diagonal causal). demo and indexed data, GPT family.
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
 
 @dataclass

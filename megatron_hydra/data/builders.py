@@ -20,6 +20,7 @@ from megatron_hydra.data import demo
 from megatron_hydra.data.blending import BlendedDataset
 from megatron_hydra.data.gpt_dataset import GPTDataset, default_cache_dir
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.packed_documents import DocumentFlags
 from megatron_hydra.data.sft_dataset import build_sft_datasets, tokenize_conversations
 from megatron_hydra.data.synthetic import SyntheticDataset
 from megatron_hydra.data.tokenizers import Tokenizer, build_tokenizer
@@ -150,7 +151,8 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
         weights = [w for w, _, _ in parts]
         sizes = [num_samples[s]] if len(parts) == 1 else BlendedDataset.required_sizes(weights, num_samples[s])
         if make_dataset is None:
-            datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name)
+            flags = document_flags(data_cfg)
+            datasets = [GPTDataset(ds, docs, int(n), seq_length, seed, default_cache_dir(ds.prefix, cache), name, flags)
                         for (_, ds, docs), n in zip(parts, sizes)]
         else:
             datasets = [make_dataset(ds, docs, int(n), name) for (_, ds, docs), n in zip(parts, sizes)]
@@ -167,6 +169,14 @@ def _sft_datasets(data_cfg, seq_length: int, seed: int, num_samples: Tuple[int, 
     samples = tokenize_conversations(data_cfg.path, tokenizer, seq_length, vocab_size)
     return build_sft_datasets(samples, split_documents(len(samples), proportions), num_samples, seq_length, seed,
                               data_cfg.packing, tokenizer.eod, data_cfg.path)
+
+
+def document_flags(data_cfg) -> Optional[DocumentFlags]:
+    """The EOD options of ``data_cfg`` (``data.eod_mask_loss``, ``data.reset_position_ids``,
+    ``data.reset_attention_mask``) with the corpus tokenizer's EOD id; None when all are off."""
+    flags = [bool(getattr(data_cfg, key, False)) for key in ("eod_mask_loss", "reset_position_ids",
+                                                              "reset_attention_mask")]
+    return DocumentFlags(build_tokenizer_for(data_cfg).eod, *flags) if any(flags) else None
 
 
 def build_tokenizer_for(data_cfg) -> Tokenizer:

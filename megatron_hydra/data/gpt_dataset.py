@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from megatron_hydra.data.indexed import IndexedDataset
+from megatron_hydra.data.packed_documents import DocumentFlags
 from megatron_hydra.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -116,14 +117,17 @@ def _save_json(path: str, obj) -> None:
 
 class GPTDataset(torch.utils.data.Dataset):
     """Items ``{"tokens", "labels", "loss_mask"}`` of length ``seq_length`` from ``documents``
-    (ids of documents of ``indexed``, e.g. one split) of an indexed corpus.
+    (ids of documents of ``indexed``, e.g. one split) of an indexed corpus; with ``flags``, the
+    loss mask, ``position_ids`` and ``document_ids`` follow the sample's EOD tokens
+    (``packed_documents``).
 
     Must be constructed on every rank when ``torch.distributed`` is initialised: global rank 0
     builds the cached indices while the others wait at a barrier, then all map them.
     """
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: str, name: str = "train"):
+                 seq_length: int, seed: int, cache_dir: str, name: str = "train",
+                 flags: Optional[DocumentFlags] = None):
         documents = np.asarray(documents, dtype=np.int64)
         num_samples, seq_length, seed = int(num_samples), int(seq_length), int(seed)
         if len(documents) == 0:
@@ -133,6 +137,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if tokens == 0:
             raise DataError(f"{indexed.prefix}.bin: the {name} split has no tokens: the corpus is empty")
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
+        self.flags = flags if flags is not None and flags.any else None
         self.num_epochs = num_epochs_for(max(num_samples, 1), tokens, seq_length)
         self.tokens_per_epoch = tokens
         desc = {"class": "GPTDataset", "version": _INDEX_VERSION, "prefix": os.path.abspath(indexed.prefix),
@@ -207,6 +212,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         arr = torch.from_numpy(self.sample_tokens(idx))
+        if self.flags is not None:
+            return {"tokens": arr[:-1], "labels": arr[1:], **self.flags.fields(arr[:-1])}
         return {"tokens": arr[:-1], "labels": arr[1:],
                 "loss_mask": torch.ones(self.seq_length, dtype=torch.float32)}
 

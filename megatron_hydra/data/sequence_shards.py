@@ -5,7 +5,9 @@ each keeps its two chunks of every sequence: of the ``2 cp`` equal chunks, rank 
 ``i`` and ``2 cp - 1 - i`` (``parallel.context_parallel.shard_sequence``), so that every rank has
 the same share of the causal attention's work. Tokens, labels and the loss mask are cut alike, and
 the batch gains ``position_ids``: the positions of the kept tokens in their sequence, which rotary
-and learned position embeddings read instead of ``0, 1, ...``.
+and learned position embeddings read instead of ``0, 1, ...`` (positions that restart at each
+document, ``data.reset_position_ids``, are cut alike). ``document_ids`` (packed documents) are cut
+alike too; the attention all-gathers them (``parallel.context_parallel``).
 
 The cut happens in the DataLoader (``ShardingCollate``), so a rank copies to its device only what
 it computes on. The loss stays the mean over every unmasked token of the whole sequence: each

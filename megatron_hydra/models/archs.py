@@ -39,7 +39,7 @@ class Arch:
 
 
 ARCHS: Dict[str, Arch] = {
-    "gpt": Arch(GPTModel, masked_mean, ("labels", "position_ids")),
+    "gpt": Arch(GPTModel, masked_mean, ("labels", "position_ids", "document_ids")),
     "bert": Arch(BertModel, bert_loss, ("labels", "padding_mask", "token_types", "sop_labels")),
     "t5": Arch(T5Model, masked_mean, ("labels", "decoder_tokens", "padding_mask")),
 }

@@ -66,16 +66,18 @@ class GPTModel(nn.Module):
                                      self.cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's logits shard.
         On a pipeline stage without the embedding, ``tokens`` is the hidden state from the
         previous stage; on one without the head, the hidden state is returned. ``kv_cache``
         (generation): ``tokens`` continue the sequence whose keys and values it holds.
         ``position_ids`` ([batch, seq]): the tokens' positions when they are not 0, 1, ... (context
-        parallelism hands each rank its chunks of the sequence, ``data.sequence_shards``)."""
+        parallelism hands each rank its chunks of the sequence, ``data.sequence_shards``; positions
+        that restart at every document, ``data.reset_position_ids``). ``document_ids`` ([batch,
+        seq]): attention stays within each document of a packed sequence (``data.reset_attention_mask``)."""
         offset = 0 if kv_cache is None else kv_cache.offset
         x = self.embed(tokens, offset, position_ids) if self.pre_process else tokens
-        x = self.layers(x, kv_cache=kv_cache, position_ids=position_ids)
+        x = self.layers(x, kv_cache=kv_cache, position_ids=position_ids, document_ids=document_ids)
         if not self.post_process:
             return x
         logits = self.head(x)

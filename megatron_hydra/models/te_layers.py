@@ -174,10 +174,10 @@ class TEAttention(nn.Module):
         self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if mask is not None or position_ids is not None:
-            raise ValueError("the Transformer Engine attention takes no mask (GPT's is causal) and no position ids "
-                             "(context parallelism runs on model.transformer_impl=local)")
+                position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if mask is not None or position_ids is not None or document_ids is not None:
+            raise ValueError("the Transformer Engine attention takes no mask (GPT's is causal), no position ids and no "
+                             "document ids (context parallelism and document masks run on model.transformer_impl=local)")
         qkv = self.qkv(x)  # [s, b, local_groups * (heads_per_group + 2) * d], the input norm applied
         s, b, _ = qkv.shape
         hpg, d = self.heads_per_group, self.cfg.kv_channels

@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.context_parallel import context_parallel_attention
+from megatron_hydra.parallel.document_masks import document_attention
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers
@@ -109,11 +110,15 @@ class Attention(nn.Module):
         self.cp_group = ps.cp_group if cfg.context_parallel_size > 1 else None
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
-                context: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                context: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``kv_cache`` (generation only, ``models.kv_cache.KVCache``): x holds the tokens after
         the cached ones; their keys and values join the cache and attention covers all of them.
         ``mask``: see ``core_attention``. ``context``: the tensor cross-attention attends to.
-        ``position_ids`` ([batch, seq]): the positions of x's tokens, when they are not 0, 1, ..."""
+        ``position_ids`` ([batch, seq]): the positions of x's tokens, when they are not 0, 1, ...
+        ``document_ids`` ([batch, seq], whole sequences: under sequence parallelism the QKV
+        projection has gathered x's sequence): a causal attention stays within each document
+        (``parallel.document_masks``); None keeps the fused causal kernel."""
         if context is not None:
             return self.proj(self._core_attention(*self._cross_qkv(x, context), mask).transpose(1, 2).flatten(2))
         qkv = self.qkv(x)  # [b, s, local_groups * (heads_per_group + 2) * d]
@@ -127,22 +132,24 @@ class Attention(nn.Module):
             cos, sin = self.rotary.tables(s, q.dtype, offset, position_ids)
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         if kv_cache is None:
-            out = self._core_attention(q, k, v, mask)
+            out = self._core_attention(q, k, v, mask, document_ids)
         else:
             out = kv_cache.attend(self, q, k, v)
         return self.proj(out.transpose(1, 2).flatten(2))
 
-    def _core_attention(self, q, k, v, mask):
+    def _core_attention(self, q, k, v, mask, document_ids=None):
         """Selective recompute (Korthikanti et al. 2022) keeps only q, k, v of the core attention:
         its [b, heads, s, s] softmax and dropout tensors are rebuilt in backward. Context-parallel
         attention keeps no such tensor (only its output and log-sum-exp), so it is never replayed:
         that would repeat its exchange of keys and values."""
         if self.cp_group is not None:
             return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, self.causal,
-                                              self.cfg.softmax_scale)
+                                              self.cfg.softmax_scale, document_ids)
+        if document_ids is not None and (mask is not None or not self.causal):
+            raise ValueError("document_ids mask a causal self-attention that has no other mask")
         if self.training and self.cfg.recompute_granularity == "selective":
-            return checkpoint(self.core_attention, q, k, v, mask)
-        return self.core_attention(q, k, v, mask)
+            return checkpoint(self.core_attention, q, k, v, mask, document_ids)
+        return self.core_attention(q, k, v, mask, document_ids)
 
     def _cross_qkv(self, x: torch.Tensor, context: torch.Tensor):
         b, s, _ = x.shape
@@ -152,14 +159,17 @@ class Attention(nn.Module):
         return q, kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v over this rank's heads: [b, heads, s, d] -> [b, heads, s, d],
         all of the sequence on this rank (generation's KV cache calls it too).
         ``mask`` (broadcast to [b, heads, s_q, s_k]): boolean (True = attend) or additive float,
         which also carries a position bias (T5); it replaces the causal mask, so a causal
-        attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d)."""
+        attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d).
+        ``document_ids`` ([b, s]): causal within each document instead (``parallel.document_masks``)."""
         p = self.cfg.attention_dropout if self.training else 0.0
         with tp_rng(sharded=True) if p > 0 else nullcontext():
+            if document_ids is not None:
+                return document_attention(q, k, v, document_ids, self.cfg.softmax_scale, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None,
                                                   scale=self.cfg.softmax_scale, enable_gqa=self.heads_per_group > 1)
 
@@ -233,11 +243,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``mask``: the self-attention mask (``Attention.core_attention``); ``context`` and
         ``context_mask``: what cross-attention attends to, and its mask; ``position_ids``: the
-        positions of x's tokens (context parallelism), for rotary embeddings."""
-        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, position_ids=position_ids))
+        positions of x's tokens (context parallelism, reset positions), for rotary embeddings;
+        ``document_ids``: the documents self-attention stays within (``Attention.forward``)."""
+        x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, position_ids=position_ids,
+                                                                    document_ids=document_ids))
         if self.cross:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attention(h, mask=context_mask, context=context))
         return self._residual(x, self.norm2, self.mlp)

@@ -11,6 +11,11 @@ is the block's slice of the full softmax, so the block gradients sum to the full
 Torch's fused kernels already return the lse and take it back, so each device uses its own:
 the CPU flash kernel, CUDA's memory-efficient kernel, and plain torch (one block's scores
 materialised) for anything else. Keys and values come with as many heads as the queries.
+
+A block may also carry an additive ``mask`` ([b, 1, sq, sk], 0 or -inf: documents of a packed
+sequence, ``parallel.document_masks``), which replaces ``causal``. On a GPU a masked block takes
+the plain-torch kernels: the memory-efficient kernel's bias has alignment rules of its own, and
+nothing here has checked them on a GPU.
 """
 
 from __future__ import annotations
@@ -27,15 +32,24 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def attention_with_lse(q, k, v, causal: bool, scale: float):
+def attention_with_lse(q, k, v, causal: bool, scale: float, mask=None):
     """(out, lse): ``out`` [b, h, sq, d] in q's dtype, ``lse`` [b, h, sq] in the accumulation
-    dtype. ``causal`` is top-left aligned (query i sees keys 0..i)."""
-    return _kernels(q)[0](q, k, v, causal, scale)
+    dtype. ``causal`` is top-left aligned (query i sees keys 0..i). ``mask``: additive, in q's
+    dtype, instead of ``causal``; a row it masks entirely gets out 0 and lse -inf (so merging
+    it changes nothing) where the kernel would leave lse 0."""
+    if mask is None:
+        return _kernels(q)[0](q, k, v, causal, scale)
+    out, lse = _kernels(q, masked=True)[0](q, k, v, False, scale, mask)
+    empty = (mask == float("-inf")).all(-1)  # [b, 1, sq]
+    return out.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
 
 
-def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of this block, given the final ``out`` and ``lse`` of the rows."""
-    return _kernels(q)[1](dout, q, k, v, out, lse, causal, scale)
+def attention_with_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
+    """(dq, dk, dv) of this block, given the final ``out`` and ``lse`` of the rows (and the
+    block's ``mask``, if it had one)."""
+    if mask is None:
+        return _kernels(q)[1](dout, q, k, v, out, lse, causal, scale)
+    return _kernels(q, masked=True)[1](dout, q, k, v, out, lse, False, scale, mask)
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -46,24 +60,24 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(total)
 
 
-def _kernels(q: torch.Tensor):
+def _kernels(q: torch.Tensor, masked: bool = False):
     if q.device.type == "cpu":
         return _cpu_forward, _cpu_backward
     # The PrivateUse1 backend is the dry run's stand-in GPU: it must take the GPU's path.
     gpu = q.device.type in ("cuda", torch._C._get_privateuse1_backend_name())
-    if gpu and q.dtype in _FUSED_GPU_DTYPES and q.shape[-1] % 8 == 0:
+    if gpu and not masked and q.dtype in _FUSED_GPU_DTYPES and q.shape[-1] % 8 == 0:
         return _efficient_forward, _efficient_backward
     return _math_forward, _math_backward
 
 
-def _cpu_forward(q, k, v, causal, scale):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+def _cpu_forward(q, k, v, causal, scale, mask=None):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _efficient_forward(q, k, v, causal, scale):
@@ -80,22 +94,24 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-def _scores(q, k, causal, scale):
+def _scores(q, k, causal, scale, mask=None):
     acc = accumulation_dtype(q.dtype)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s + mask.to(acc)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale):
-    s = _scores(q, k, causal, scale)
+def _math_forward(q, k, v, causal, scale, mask=None):
+    s = _scores(q, k, causal, scale, mask)
     lse = s.logsumexp(-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype)).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    p = torch.exp(_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1))
     dout = dout.to(p.dtype)
     delta = (dout * out.to(p.dtype)).sum(-1, keepdim=True)
     ds = p * (torch.matmul(dout, v.to(p.dtype).transpose(-2, -1)) - delta)

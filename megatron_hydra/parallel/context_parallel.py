@@ -13,6 +13,11 @@ Two ways to attend across ranks (``comm_type``):
 - ``"a2a"``, Ulysses (Jacobs et al. 2023): all-to-alls turn sequence shards into head shards, so
   each rank runs ordinary attention over the whole sequence for heads/cp heads, then turns back.
   Moves 4 activations of the local size per pass, independent of cp; needs heads % cp == 0.
+
+Packed documents (``document_ids``, this rank's chunks of them: ``data.sequence_shards``): the
+ids are all-gathered over the cp group once per call (one long per token). Ulysses masks its
+whole, reordered sequence like the plain attention (``parallel.document_masks``); the ring masks
+each (query block, key block) pair by the two blocks' ids, a block's causal order included.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.block_attention import (accumulation_dtype, attention_with_lse,
                                                      attention_with_lse_backward, merge_into)
+from megatron_hydra.parallel.document_masks import additive, allowed, document_attention
 
 
 def balanced_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -57,19 +63,26 @@ def _chunk_length(seq_length: int, cp_size: int) -> int:
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
-                               causal: bool, scale: Optional[float] = None) -> torch.Tensor:
+                               causal: bool, scale: Optional[float] = None,
+                               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the whole sequence, for this rank's queries.
 
     q: [b, heads, s_local, d]; k, v: [b, groups, s_local, d] (grouped-query attention: q head h
     uses kv head h // (heads/groups)), all in the balanced layout over ``group``. Returns
-    [b, heads, s_local, d] in q's dtype. ``scale`` defaults to 1/sqrt(d)."""
+    [b, heads, s_local, d] in q's dtype. ``scale`` defaults to 1/sqrt(d). ``document_ids``
+    ([b, s_local], causal only): each token attends within its own document."""
     gqa = q.shape[1] != k.shape[1]
+    if document_ids is not None and not causal:
+        raise ValueError("document_ids: documents mask a causal attention only")
     if C.group_size(group) == 1:
+        if document_ids is not None:
+            return document_attention(q, k, v, document_ids, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    all_ids = None if document_ids is None else C.all_gather(document_ids.contiguous(), 1, group)  # rank by rank
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+        return _RingAttention.apply(q, k, v, group, causal, q.shape[-1] ** -0.5 if scale is None else scale, all_ids)
     if comm_type == "a2a":
-        return _ulysses_attention(q, k, v, group, causal, scale)
+        return _ulysses_attention(q, k, v, group, causal, scale, all_ids)
     raise ValueError(f"unknown context parallel comm_type {comm_type!r}: p2p or a2a")
 
 
@@ -132,6 +145,17 @@ def _block(source: int, rank: int, causal: bool, s_local: int):
     return slice(half, None), everything, False
 
 
+def _block_mask(all_ids: Optional[torch.Tensor], cp: int, source: int, rank: int, rows, cols,
+                block_causal: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The additive document mask of the block (``rows`` of this rank's queries, ``cols`` of rank
+    ``source``'s keys), its causal order included; None without documents. ``all_ids``: every
+    rank's [b, s_local] ids, concatenated in rank order."""
+    if all_ids is None:
+        return None
+    ids = all_ids.chunk(cp, dim=1)
+    return additive(allowed(ids[rank][:, rows], ids[source][:, cols], block_causal), dtype)
+
+
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     """[2, b, groups, s, d] -> [2, b, heads, s, d]: each kv head repeated for its query heads."""
     return kv if kv.shape[2] == heads else kv.repeat_interleave(heads // kv.shape[2], dim=2)
@@ -150,7 +174,7 @@ class _RingAttention(torch.autograd.Function):
     every accumulator home. K/V travel with their kv heads only (expanded just before use)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, all_ids):
         cp, rank = C.group_size(group), C.group_rank(group)
         heads, acc = q.shape[1], accumulation_dtype(q.dtype)
         kv = torch.stack([k, v])
@@ -161,9 +185,12 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = C.ring_exchange([kv], [incoming], group)
             start = _tick()
-            rows, cols, block_causal = _block((rank - step) % cp, rank, causal, q.shape[2])
+            source = (rank - step) % cp
+            rows, cols, block_causal = _block(source, rank, causal, q.shape[2])
+            mask = _block_mask(all_ids, cp, source, rank, rows, cols, block_causal, q.dtype)
             block_kv = _expand(kv[:, :, :, cols], heads)
-            block_out, block_lse = attention_with_lse(q[:, :, rows], block_kv[0], block_kv[1], block_causal, scale)
+            block_out, block_lse = attention_with_lse(q[:, :, rows], block_kv[0], block_kv[1], block_causal, scale,
+                                                      mask)
             if out is None:  # step 0, the own block, covers every row
                 out, lse = block_out.to(acc), block_lse.to(acc).contiguous()
             else:
@@ -173,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
             kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.all_ids = group, causal, scale, all_ids
         return out
 
     @staticmethod
@@ -195,11 +222,13 @@ class _RingAttention(torch.autograd.Function):
                 sends, recvs = sends + [finished], recvs + [dkv]
             works = C.ring_exchange(sends, recvs, group)
             start = _tick()
-            rows, cols, block_causal = _block((rank - step) % cp, rank, causal, q.shape[2])
+            source = (rank - step) % cp
+            rows, cols, block_causal = _block(source, rank, causal, q.shape[2])
+            mask = _block_mask(ctx.all_ids, cp, source, rank, rows, cols, block_causal, q.dtype)
             block_kv = _expand(kv[:, :, :, cols], heads)
             dq_block, dk_block, dv_block = attention_with_lse_backward(
                 dout[:, :, rows], q[:, :, rows], block_kv[0], block_kv[1], out[:, :, rows], lse[:, :, rows],
-                block_causal, scale)
+                block_causal, scale, mask)
             dq[:, :, rows] += dq_block
             _tock(start, "backward", step, "compute")
             _wait(works, "backward", step)
@@ -210,12 +239,12 @@ class _RingAttention(torch.autograd.Function):
             kv, finished = incoming, dkv
         home = torch.empty_like(finished)
         _wait(C.ring_exchange([finished], [home], group), "backward", cp)
-        return dq.to(q.dtype), home[0], home[1], None, None, None
+        return dq.to(q.dtype), home[0], home[1], None, None, None, None
 
 
 # ---- Ulysses (a2a) -----------------------------------------------------------------------------
 
-def _ulysses_attention(q, k, v, group, causal, scale):
+def _ulysses_attention(q, k, v, group, causal, scale, all_ids=None):
     """All-to-all to head shards over the whole sequence, in natural order; attention; back.
     Kv heads are repeated up to a multiple of cp when too few to split (heads % cp == 0 makes
     lcm(groups, cp) a divisor of heads, so q head h still meets kv head h // (heads/groups))."""
@@ -229,7 +258,10 @@ def _ulysses_attention(q, k, v, group, causal, scale):
     order = torch.cat([balanced_positions(seq, cp, j, device=q.device) for j in range(cp)])
     inverse = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, group, order, inverse) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if all_ids is not None:
+        out = document_attention(q, k, v, all_ids.index_select(1, inverse), scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _HeadsToSeq.apply(out, group, order, inverse)
 
 
