@@ -16,9 +16,9 @@ Samples are packed (``packing``) into sequences of ``seq_length``: each sample k
 positions (``position_ids`` restart at 0) and gets its own ``document_ids`` value (0, 1, ... along
 the sequence); the padding at the end of a pack is one more document, with ``loss_mask`` 0. The
 batch fields are ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and ``document_ids``, all
-``[seq_length]`` per item. ``document_ids`` is what document-masked attention needs to keep the
-samples of a pack from attending to each other; a model without it attends across them (causally),
-as Megatron's packed pretraining does across documents.
+``[seq_length]`` per item. The GPT family reads ``document_ids`` (``models.archs``): attention is
+block-diagonal per sample (``parallel.document_masks``), so the samples of a pack never see each
+other, and every parallel layout keeps that (context parallelism included).
 
 Epochs: each epoch is a permutation of the split's samples drawn from ``(seed, split, epoch)``,
 packed on its own (``packing.best_fit_packs``) when first reached; the dataset is as many epochs
