@@ -185,7 +185,7 @@ class DataConfig:
     # indexed: [prefix] or [weight, prefix, weight, prefix, ...] of Megatron .bin/.idx pairs.
     blend: Optional[List[Any]] = None
     # Train/valid/test proportions, split by documents: "969,30,1" in YAML; on the command line
-    # data.split=[969,30,1] or data.split='969,30,1' (a bare a,b,c would be a Hydra sweep).
+    # data.split=[969,30,1] or "data.split='969,30,1'" (a bare a,b,c would be a Hydra sweep).
     split: Any = "969,30,1"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # Where index arrays and the demo corpus are cached; None -> next to the data (demo: ~/.cache).
