@@ -138,3 +138,14 @@ def test_unreadable_files_name_the_file(gpt2_dir, tmp_path):
     (tmp_path / "gap.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b * 2}\n"
                                                 for b in range(256)))
     fails("gap.model: the ranks are not 0..255", type="tiktoken", path=str(tmp_path / "gap.model"))
+
+
+def test_demo_corpus_is_cached_per_tokenizer_file(gpt2_dir, tmp_path):
+    from megatron_hydra.data import demo
+
+    other = tmp_path / "other"
+    other.mkdir()
+    _trained_bpe(300, ["<|endoftext|>"]).model.save(str(other))
+    cfgs = [TokenizerConfig(type="gpt2_bpe", path=str(d)) for d in (gpt2_dir, other, gpt2_dir)]
+    prefixes = [demo.build_demo_corpus(c, str(tmp_path / "cache"), max_bytes=20_000)[0] for c in cfgs]
+    assert prefixes[0] != prefixes[1] and prefixes[0] == prefixes[2]
