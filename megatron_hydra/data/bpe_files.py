@@ -164,24 +164,20 @@ def tiktoken_bpe(path: str):
     from tokenizers import Tokenizer, models
 
     ranks = read_tiktoken_ranks(path)
-    alphabet = byte_alphabet()
-
-    def spell(b: bytes) -> str:
-        return "".join(alphabet[x] for x in b)
-
-    merges = []
-    for token, rank in ranks.items():
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-        splits.sort(key=lambda s: (ranks[s[0]], ranks[s[1]]))
-        merges.extend((rank, spell(a), spell(b)) for a, b in splits)
-    merges.sort(key=lambda m: m[0])
-    vocab = {spell(t): r for t, r in ranks.items()}
+    table = str.maketrans({chr(b): c for b, c in byte_alphabet().items()})
+    spelled = {t: t.decode("latin-1").translate(table) for t in ranks}  # byte i -> chr(i) -> alphabet
+    merges = []  # ranks are visited in order, so the merges come out sorted by rank
+    for token in sorted(ranks, key=ranks.__getitem__):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+        splits = sorted((ranks[a], ranks[b], a, b) for a, b in splits if a in ranks and b in ranks)
+        merges.extend((spelled[a], spelled[b]) for _, _, a, b in splits)
+    vocab = {spelled[t]: r for t, r in ranks.items()}
     specials = llama3_special_tokens()
     for i, name in enumerate(specials):  # ids after the ranks, whatever order they are added in
         if name in vocab:
             raise DataError(f"{path}: the rank table holds {name}, which Llama 3 keeps as a special token")
         vocab[name] = len(ranks) + i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     return _byte_level(tok, LLAMA3_PATTERN, specials), tok.token_to_id(LLAMA3_EOD_TOKEN)
 
 
