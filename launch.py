@@ -12,6 +12,7 @@ meet (an unknown key, an Optuna sweep without validation) ends the sweep at once
 """
 
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -23,6 +24,7 @@ from megatron_hydra.config import register_configs
 from megatron_hydra.errors import ConfigError, MegatronHydraError
 
 register_configs()
+_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # hydra.main's config_path
 _jobs: List[str] = []  # run dirs of this process's multirun jobs
 _failed: List[str] = []  # ...and of those that failed
 
@@ -90,7 +92,7 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def _hydra_error_line(exc: BaseException) -> Optional[str]:
     """One line for the user errors Hydra meets before ``main`` runs; None for anything else."""
-    from hydra.errors import CompactHydraException
+    from hydra.errors import CompactHydraException, MissingConfigException
 
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
@@ -98,8 +100,13 @@ def _hydra_error_line(exc: BaseException) -> Optional[str]:
                 f"({exc.problem or exc.context}): fix the file")
     if isinstance(exc, yaml.YAMLError):
         return f"YAML syntax error in a config file ({str(exc).splitlines()[0]}): fix the file"
+    if isinstance(exc, MissingConfigException) and exc.options and "/" in (exc.missing_cfg_file or ""):
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        return (f"{group}={option}: config group '{group}' has no option '{option}'; "
+                f"available: {', '.join(exc.options)}")
     if isinstance(exc, CompactHydraException):
-        return " ".join(str(exc).split())
+        sweep = re.match(r"Ambiguous value for argument '(.*)'\n", str(exc))
+        return _sweep_outside_multirun(sweep.group(1)) if sweep else " ".join(str(exc).split())
     if isinstance(exc, OSError) and exc.filename is not None:
         return (f"{exc.filename}: {exc.strerror or type(exc).__name__}: Hydra cannot read the config or create the "
                 "output directory there; check the path, or set hydra.run.dir (hydra.sweep.dir with -m) to a "
@@ -107,10 +114,20 @@ def _hydra_error_line(exc: BaseException) -> Optional[str]:
     return None
 
 
+def _sweep_outside_multirun(override: str) -> str:
+    """A comma list without ``-m`` is a Hydra sweep; the fix depends on what was meant."""
+    key, _, value = override.partition("=")
+    if os.path.isdir(os.path.join(_CONF, key.lstrip("+~"))):  # a config group: several runs
+        return f"{override}: a comma list is a sweep over config group '{key}'; add -m to run one job per option"
+    return (f"{override}: a comma list outside -m is a sweep; for one value quote it, \"{key}='{value}'\" "
+            f"(the shell drops bare quotes), or write a list, {key}=[{value}]; add -m to sweep")
+
+
 def cli() -> int:
     """Run ``main`` with Hydra's own user errors (a config file that is not YAML, an output dir it
-    cannot create, an unknown config group) as one line, exit status 2. HYDRA_FULL_ERROR=1 makes
-    Hydra raise instead of printing a traceback; set by the user, it keeps every traceback."""
+    cannot create, an unknown option of a config group, a comma list without ``-m``) as one line,
+    exit status 2. HYDRA_FULL_ERROR=1 makes Hydra raise instead of printing a traceback; set by
+    the user, it keeps every traceback."""
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

@@ -3,6 +3,7 @@ busy directories, too many local workers, blaming the right rank, sweeps that ou
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
 import time
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import SMALL, compose_config, launch_cmd, rank1_failure_injector, read_metrics
+from conftest import ROOT, SMALL, compose_config, launch_cmd, rank1_failure_injector, read_metrics
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 
@@ -47,6 +48,28 @@ def test_unknown_override_key_is_refused(tmp_path, env_no_launcher):
             else:
                 with pytest.raises(ConfigError, match=repr(key[1:].split("=")[0])):
                     check_known_keys(cfg)
+
+
+def test_unknown_group_option_and_comma_list_without_m_are_one_line(tmp_path, env_no_launcher):
+    # Hydra's own multi-line texts, before any worker; the two launches run side by side.
+    cases = {"model=gpt_does_not_exist": ["config group 'model' has no option 'gpt_does_not_exist'",
+                                          "available: ", "gpt_125m, gpt_175b", "moe_tiny"],
+             "data.split=100,0": ["is a sweep", "\"data.split='100,0'\"", "data.split=[100,0]"]}
+    procs = {arg: subprocess.Popen(launch_cmd(arg, "mode=plan", f"hydra.run.dir={tmp_path / str(i)}"),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_no_launcher)
+             for i, arg in enumerate(cases)}
+    for arg, parts in cases.items():
+        stdout, stderr = procs[arg].communicate(timeout=180)
+        out = SimpleNamespace(returncode=procs[arg].returncode, stdout=stdout, stderr=stderr)
+        assert out.returncode == 2, stderr[-2000:]
+        line = _one_error_line(out)
+        assert line.startswith(f"error: {arg}: ") and all(p in line for p in parts), line
+    # A comma list of config group options means several runs: the fix is -m, not quoting.
+    spec = importlib.util.spec_from_file_location("launch_script", ROOT / "launch.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    line = launch._sweep_outside_multirun("model=gpt_tiny,moe_tiny")
+    assert "sweep over config group 'model'" in line and "add -m" in line and "[" not in line
 
 
 def test_yaml_syntax_error_in_own_config_is_one_line(tmp_path, env_no_launcher):

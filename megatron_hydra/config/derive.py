@@ -31,7 +31,7 @@ CHOICES = {
     "optim.name": ("adamw",),
     "trainer.accelerator": ("cpu", "gpu"),
     "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft"),
-    "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe"),
+    "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe", "gpt2_bpe", "tiktoken"),
     "mode": ("train", "plan", "plan_layouts", "dry_run"),
     "recompute.method": ("uniform", "block"),
     "checkpoint.resume": ("auto", "none"),

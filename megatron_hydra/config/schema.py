@@ -169,10 +169,13 @@ class RecomputeConfig:
 @dataclass
 class TokenizerConfig:
     # byte: raw UTF-8 bytes (no file); hf: a tokenizers tokenizer.json; sentencepiece: a .model file;
-    # bpe: a byte-level BPE trained on the corpus with vocab_size entries, saved next to the data.
+    # bpe: a byte-level BPE trained on the corpus with vocab_size entries, saved next to the data;
+    # gpt2_bpe: GPT-2's vocab.json + merges.txt (path: their folder, or the vocab.json with
+    # merge_file); tiktoken: a tiktoken rank file such as Llama 3's tokenizer.model.
     type: str = "byte"
     path: Optional[str] = None
     vocab_size: Optional[int] = None
+    merge_file: Optional[str] = None  # gpt2_bpe: merges.txt when not beside path (Megatron's --merge-file)
 
 
 @dataclass
@@ -186,7 +189,7 @@ class DataConfig:
     # indexed: [prefix] or [weight, prefix, weight, prefix, ...] of Megatron .bin/.idx pairs.
     blend: Optional[List[Any]] = None
     # Train/valid/test proportions, split by documents: "969,30,1" in YAML; on the command line
-    # data.split=[969,30,1] or data.split='969,30,1' (a bare a,b,c would be a Hydra sweep).
+    # data.split=[969,30,1] or "data.split='969,30,1'" (a bare a,b,c would be a Hydra sweep).
     split: Any = "969,30,1"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # Where index arrays and the demo corpus are cached; None -> next to the data (demo: ~/.cache).

@@ -66,11 +66,20 @@ def source_files(max_bytes: Optional[int] = None) -> List[Tuple[str, str, int]]:
 
 def _cache_key(files, tok: TokenizerConfig) -> str:
     tok_desc = {"type": tok.type, "vocab_size": tok.vocab_size or DEFAULT_BPE_VOCAB}
-    if tok.type in ("hf", "sentencepiece") and tok.path:
-        path = os.path.abspath(os.path.expanduser(tok.path))
-        tok_desc.update(path=path, size=os.path.getsize(path) if os.path.isfile(path) else None)
+    if tok.type in ("hf", "sentencepiece", "gpt2_bpe", "tiktoken"):
+        for key in ("path", "merge_file"):  # the tokenizer's files: another file is another corpus
+            if getattr(tok, key):
+                tok_desc[key] = _file_desc(os.path.abspath(os.path.expanduser(getattr(tok, key))))
     desc = {"version": _VERSION, "files": [(rel, size) for rel, _, size in files], "tokenizer": tok_desc}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_desc(path: str):
+    """A file (or a folder's files, for a tokenizer given by its folder) by name and size."""
+    if os.path.isdir(path):
+        return [path, sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)
+                             if os.path.isfile(os.path.join(path, n)))]
+    return [path, os.path.getsize(path) if os.path.isfile(path) else None]
 
 
 def demo_tokenizer_config(directory: str, tok: TokenizerConfig) -> TokenizerConfig:

@@ -1,6 +1,6 @@
 """Tokenizers behind one small interface: ``vocab_size``, ``eod``, ``encode``, ``decode``.
 
-Four kinds, chosen by ``TokenizerConfig.type``:
+Six kinds, chosen by ``TokenizerConfig.type``:
 
 - ``byte``: UTF-8 bytes plus one end-of-document id (vocabulary 257). Needs no file, so a run
   can never fail for want of one; a good default for tests and the smallest models.
@@ -8,6 +8,10 @@ Four kinds, chosen by ``TokenizerConfig.type``:
 - ``sentencepiece``: a SentencePiece ``.model`` file from a local path.
 - ``bpe``: a byte-level BPE trained on the corpus itself (``tokenizers``' trainer) with
   ``vocab_size`` entries and saved next to the data, after which it is an ``hf`` tokenizer.
+- ``gpt2_bpe``: GPT-2's ``vocab.json`` + ``merges.txt`` (Megatron's GPT2BPETokenizer).
+- ``tiktoken``: a tiktoken rank file read as Llama 3 does (its ``tokenizer.model``).
+
+The last two are read by ``bpe_files`` into the same ``tokenizers`` BPE that ``hf`` loads.
 
 Nothing is ever fetched from the internet: a path is a path. The ``tokenizers`` and
 ``sentencepiece`` packages are imported only when such a tokenizer is built, so that commands
@@ -24,7 +28,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 from megatron_hydra.config.schema import TokenizerConfig
 from megatron_hydra.errors import ConfigError, DataError
 
-TYPES = ("byte", "hf", "sentencepiece", "bpe")
+TYPES = ("byte", "hf", "sentencepiece", "bpe", "gpt2_bpe", "tiktoken")
 DEFAULT_BPE_VOCAB = 8192
 # The end-of-document token of a trained BPE; GPT-2's spelling, so that tools recognise it.
 BPE_EOD_TOKEN = "<|endoftext|>"
@@ -76,29 +80,13 @@ class ByteTokenizer(Tokenizer):
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-class HFTokenizer(Tokenizer):
-    """A ``tokenizers`` tokenizer.json; the end-of-document id is its EOS-like special token."""
+class LibraryTokenizer(Tokenizer):
+    """A tokenizer of the ``tokenizers`` library (Rust: fast, with a native batch path), read
+    from ``path`` by whichever kind built it; ``eod`` is its end-of-document id."""
 
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer as _HF
-
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: tokenizer file not found (data.tokenizer.path must be a local "
-                            f"tokenizer.json; nothing is downloaded)")
-        try:
-            self._tok = _HF.from_file(path)
-        except Exception as e:  # the library raises a bare Exception on a malformed file
-            raise DataError(f"{path}: not a readable tokenizer.json ({e})") from None
-        self.path = path
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        found = [vocab[t] for t in _EOD_CANDIDATES if t in vocab]
-        if not found:
-            raise DataError(f"{path}: no end-of-document token (looked for {', '.join(_EOD_CANDIDATES)}); "
-                            f"add one as a special token")
-        self.eod = found[0]
+    def __init__(self, tok, path: str, eod: int):
+        self._tok, self.path, self.eod = tok, path, eod
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -115,6 +103,48 @@ class HFTokenizer(Tokenizer):
 
     def id_to_token(self, i: int) -> Optional[str]:
         return self._tok.id_to_token(i)
+
+
+class HFTokenizer(LibraryTokenizer):
+    """A ``tokenizers`` tokenizer.json; the end-of-document id is its EOS-like special token."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _HF
+
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: tokenizer file not found (data.tokenizer.path must be a local "
+                            f"tokenizer.json; nothing is downloaded)")
+        try:
+            tok = _HF.from_file(path)
+        except Exception as e:  # the library raises a bare Exception on a malformed file
+            raise DataError(f"{path}: not a readable tokenizer.json ({e})") from None
+        vocab = tok.get_vocab(with_added_tokens=True)
+        found = [vocab[t] for t in _EOD_CANDIDATES if t in vocab]
+        if not found:
+            raise DataError(f"{path}: no end-of-document token (looked for {', '.join(_EOD_CANDIDATES)}); "
+                            f"add one as a special token")
+        super().__init__(tok, path, found[0])
+
+
+def gpt2_bpe_tokenizer(path: str, merge_file: Optional[str] = None) -> LibraryTokenizer:
+    """GPT-2's ``vocab.json`` + ``merges.txt``: ``path`` is the folder holding both or the
+    vocab.json itself, ``merge_file`` the merges when they are elsewhere or named otherwise."""
+    from megatron_hydra.data import bpe_files
+
+    vocab, merges = bpe_files.gpt2_files(path, merge_file)
+    tok, eod = bpe_files.gpt2_bpe(vocab, merges)
+    return LibraryTokenizer(tok, vocab, eod)
+
+
+def tiktoken_tokenizer(path: str) -> LibraryTokenizer:
+    """A tiktoken rank file (or the folder holding ``tokenizer.model``) with Llama 3's regex and
+    special tokens."""
+    from megatron_hydra.data import bpe_files
+
+    tok, eod = bpe_files.tiktoken_bpe(path)
+    return LibraryTokenizer(tok, path, eod)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -192,10 +222,14 @@ def build_tokenizer(cfg: TokenizerConfig, *, corpus: Optional[Callable[[], Itera
         raise ConfigError(f"data.tokenizer.type={kind!r}: choose one of {', '.join(TYPES)}")
     if kind == "byte":
         return ByteTokenizer()
-    if kind in ("hf", "sentencepiece"):
+    if kind in ("hf", "sentencepiece", "gpt2_bpe", "tiktoken"):
         if not cfg.path:
             raise ConfigError(f"data.tokenizer.path is required for data.tokenizer.type={kind}")
         path = os.path.expanduser(cfg.path)
+        if kind == "gpt2_bpe":
+            return gpt2_bpe_tokenizer(path, cfg.merge_file)
+        if kind == "tiktoken":
+            return tiktoken_tokenizer(path)
         return HFTokenizer(path) if kind == "hf" else SentencePieceTokenizer(path)
     path = os.path.expanduser(cfg.path) if cfg.path else save_path
     if path and os.path.isfile(path):
