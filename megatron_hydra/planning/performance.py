@@ -79,13 +79,14 @@ Modern runs (each a switch on ``Layout``, off by default, which is the 2021 soft
 * ``flash_attention`` (this project's GPU runs: torch's SDPA, or Transformer Engine's fused
   attention): the attention scores never reach HBM, so the ``c_s a s / t`` passes vanish, and a
   causal model (``arch=gpt``) skips the masked half of the score blocks: the two attention matmuls
-  take ``1/2`` of ``4 s a k`` FLOPs per token in time (the model FLOPs still count them whole).
+  take ``1/2`` of ``4 s a k`` FLOPs per token in time (the model FLOPs still count them whole),
+  at ``attention_efficiency * eta * peak`` (fitted: fused attention runs well below the GEMMs).
 * ``fused_kernels`` (``model.transformer_impl=transformer_engine``): the layer norm fused into the
   next matmul's input and bias-dropout-add fused into one kernel: ``c_h_fused = 6`` element passes
   per token and layer instead of ``c_h = 12``.
 * ``fp8`` (``precision.fp8``): the linear layers' matmuls (QKV, output, MLP) run at
   ``fp8_efficiency * r_fp8 * eta * peak``, ``r_fp8`` the GPU's dense FP8 over bf16 peak
-  (``FP8_PEAK_RATIO``: 2 on H100/H200/B200, 1 on the A100, which has no FP8 tensor cores);
+  (``FP8_PEAK_RATIO``: 2 on H100/H200/B200; the A100 has no FP8 tensor cores and runs bf16);
   attention and the LM head stay in bf16; ``fp8_efficiency`` is fitted (scaling, casts).
 * ``tp_comm_overlap`` (Megatron-Core with Transformer Engine's userbuffers; this project's layers
   do not overlap, so its own layouts leave it off): each of the ``2 x 4`` half-size collectives of
@@ -303,7 +304,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     m = global_batch / (b * d)
     tokens_mb = b * s / cp  # the tokens of a micro-batch one GPU holds
     peak, hbm = cluster.peak_tflops * 1e12 * c.matmul_eta(cluster.gpu), cluster.hbm_gb_per_s * 1e9
-    linear_peak = peak * (c.fp8_efficiency * FP8_PEAK_RATIO.get(cluster.gpu, 1.0) if lay.fp8 else 1.0)
+    fp8 = lay.fp8 and cluster.gpu in FP8_PEAK_RATIO  # a GPU without FP8 tensor cores runs bf16
+    linear_peak = peak * max(1.0, c.fp8_efficiency * FP8_PEAK_RATIO[cluster.gpu]) if fp8 else peak
     dense, attn = _layer_fwd_flops_per_token(tc)
     causal = 0.5 if lay.flash_attention and tc.arch == "gpt" else 1.0
 
@@ -395,13 +397,14 @@ def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig,
     tokens = lay.micro_batch * tc.seq_length / lay.cp
     link = _group_link(cluster, t)
     replays = 1 if lay.recompute == "full" else 0
+    msg = 2 * (t - 1) / t * tokens * tc.hidden_size * ACT_BYTES
+    exposed = (4 + 2 * replays) * _ring_time(msg, link, c)
     if not lay.tp_comm_overlap:
-        msg = 2 * (t - 1) / t * tokens * tc.hidden_size * ACT_BYTES
-        return (4 + 2 * replays) * _ring_time(msg, link, c)
-    half = _ring_time((t - 1) / t * tokens * tc.hidden_size * ACT_BYTES, link, c)
+        return exposed
+    half = _ring_time(msg / 2, link, c)
     pipelined = sum(half / t + (t - 1) / t * max(0.0, half - g) for g in projections)
     bulk = sum(max(0.0, half - 2 * g) for g in projections)
-    return (1 + replays) * pipelined + bulk
+    return min(exposed, (1 + replays) * pipelined + bulk)  # latency-bound messages: overlap off
 
 
 def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
