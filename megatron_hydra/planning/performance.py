@@ -25,7 +25,8 @@ logits (4 passes); the first stage reads the embedding (negligible).
 Tensor parallelism: per layer and micro-batch, 2 all-reduces of ``b s h e`` bytes in the forward and
 2 in the backward (all-gather + reduce-scatter pairs with sequence parallelism: the same volume),
 plus 2 more when the forward is recomputed; a ring moves ``2 (t-1)/t`` of the message per GPU, over
-NVLink when the group fits in a node, else InfiniBand. Not overlapped.
+NVLink when the group fits in a node, else InfiniBand. Not overlapped, unless ``tp_comm_overlap``
+(below).
 
 Pipeline: the 1F1B schedule (interleaved with ``v`` chunks per GPU) takes
 ``(m + (p-1)/v) * T_stage`` where ``T_stage`` is the forward + backward time of one micro-batch on
@@ -67,8 +68,10 @@ Data parallelism: a ring all-reduce of the GPU's fp32 gradients over the ``d c``
 the same weights, ``2 (dc-1)/(dc) * 4 P_gpu`` bytes per GPU (with the distributed optimizer a
 reduce-scatter of the same gradients plus an all-gather of bf16 weights:
 ``(dc-1)/(dc) * (4 + 2) P_gpu``), over NVLink when the group (``t d c`` consecutive ranks) fits in
-a node, else InfiniBand. Overlapped, only what outlasts the backward of the last micro-batch is
-exposed.
+a node, else InfiniBand; across nodes a group with ``k = gpus_per_node / t`` members per node
+reduces hierarchically at ``k`` times an adapter's rate (at most NVLink's). With
+``overlap_grad_reduce`` only what outlasts the backward it overlaps is exposed (below: per virtual
+chunk).
 
 Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of their rate (NCCL's
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
