@@ -10,8 +10,9 @@ GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: e
 ``Options.max_ep`` that divides both the experts and dp, and at tp > 1 with whole experts
 (``expert_tensor_parallel_size=1``) every ``ep`` dividing the experts and dp x tp. A layout is kept only if ``derive`` accepts it and the memory plan
 (``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
-are ranked by the step time of ``planning.performance`` and the best are printed with the command
-that runs each.
+are ranked by the step time of ``planning.performance`` and the best are printed with their MFU
+(model FLOPs over the GPU's dense bf16 peak) and the command that runs each. The memory plan covers
+the GPT family (GPT, Llama, MoE); other archs are refused in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Candidate:
 @dataclass(frozen=True)
 class Options:
     """What the enumeration may vary (SC21's runs had no sequence parallelism, no distributed
-    optimizer and no overlapped gradient reduction: ``benchmarks/planner_sc21.py`` turns them off)."""
+    optimizer, no overlapped gradient reduction and no flash attention: ``benchmarks/planner_sc21.py``
+    turns them off). Fused kernels and FP8 follow the config (``model.transformer_impl``,
+    ``precision.fp8``)."""
 
     micro_batches: Sequence[int] = MICRO_BATCHES
     recompute: Sequence[Optional[str]] = RECOMPUTE
