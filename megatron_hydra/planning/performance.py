@@ -77,7 +77,9 @@ Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of 
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
 are fixed, not fitted.
 
-Modern runs (each a switch on ``Layout``, off by default, which is the 2021 software above):
+Modern runs (each a switch on ``Layout``; off, they are the 2021 software above, which
+``planning.sc21`` evaluates; ``flash_attention`` is on by default, as in every GPU run of this
+project):
 
 * ``flash_attention`` (this project's GPU runs: torch's SDPA, or Transformer Engine's fused
   attention): the attention scores never reach HBM, so the ``c_s a s / t`` passes vanish, and a
@@ -179,7 +181,7 @@ class Layout:
     cp_comm: str = "p2p"  # parallel.cp_comm_type: p2p | a2a
     ep: int = 1  # parallel.expert_parallel_size
     whole_experts: bool = False  # parallel.expert_tensor_parallel_size=1 (with tp > 1)
-    flash_attention: bool = False  # scores never in HBM, causal blocks skipped (SDPA / TE on GPU)
+    flash_attention: bool = True  # scores never in HBM, causal blocks skipped (SDPA / TE on GPU)
     fused_kernels: bool = False  # model.transformer_impl=transformer_engine
     fp8: bool = False  # precision.fp8
     tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
