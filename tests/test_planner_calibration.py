@@ -93,3 +93,31 @@ def test_plan_layouts_names_the_archs_the_memory_plan_lacks(model):
     cfg = compose_config([f"model={model}", "cluster=h100_80g_x1024", "data.global_batch_size=64"])
     with pytest.raises(ConfigError, match="plan covers model.arch in gpt"):
         run_planner(cfg)
+
+
+def test_dp_overlap_per_virtual_chunk_hand_computed():
+    from megatron_hydra.planning.performance import _chunk_overlap
+
+    assert _chunk_overlap(10.0, 8.0, 1, 4) == pytest.approx(2.0)  # v = 1: what outlasts the backward
+    assert _chunk_overlap(10.0, 8.0, 4, 2) == pytest.approx(0.5)  # the last chunk's 2.5 s behind its 2 s
+    assert _chunk_overlap(10.0, 1.0, 4, 2) == pytest.approx(10.0 - 0.25 * 7)  # the cool-down hides 1.75 s
+
+
+def test_tp_overlap_hand_computed():
+    from megatron_hydra.config.schema import ClusterConfig
+    from megatron_hydra.config.transformer_config import TransformerConfig
+    from megatron_hydra.planning.performance import Constants, Layout, tp_layer_seconds
+
+    tc = TransformerConfig(num_layers=1, hidden_size=1000, num_attention_heads=10, num_query_groups=10, kv_channels=100,
+                           ffn_hidden_size=4000, seq_length=1000, max_position_embeddings=1000, vocab_size=1000,
+                           padded_vocab_size=1000)
+    c = Constants(link_efficiency=1.0, latency_s=0.0)
+    cluster = ClusterConfig(nvlink_gb_per_s=1.0)  # 1e9 bytes/s
+    lay = Layout(tp=2, pp=1, dp=1, micro_batch=1, sequence_parallel=True, tp_comm_overlap=True)
+    # A half-size collective: 1/2 of 1000 tokens x 1000 x 2 bytes = 1e6 bytes: 1 ms. Matmuls: 0.4, 2, 0 and 0 ms.
+    gemms = [0.4e-3, 2e-3, 0.0, 0.0]
+    forward = (0.5e-3 + 0.5 * 0.6e-3) + 0.5e-3 + 2 * (0.5e-3 + 0.5 * 1e-3)
+    backward = 0.2e-3 + 0.0 + 2 * 1e-3
+    assert tp_layer_seconds(tc, lay, cluster, c, gemms) == pytest.approx(forward + backward)
+    off = tp_layer_seconds(tc, dataclasses.replace(lay, tp_comm_overlap=False), cluster, c, gemms)
+    assert off == pytest.approx(4 * 2e-3)  # 4 all-reduce-sized messages of 2e6 bytes
