@@ -31,7 +31,7 @@ from megatron_hydra.planning.performance import CALIBRATED, estimate  # noqa: E4
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 SC21_FEATURES = Options(recompute=("full",), sequence_parallel=(False,), distributed_optimizer=(False,),
-                        data_parallel=("ddp",), overlap_grad_reduce=False)
+                        data_parallel=("ddp",), overlap_grad_reduce=False, flash_attention=False)
 
 
 def row_config(row: sc21.SC21Row):

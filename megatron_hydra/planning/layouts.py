@@ -10,8 +10,9 @@ GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: e
 ``Options.max_ep`` that divides both the experts and dp, and at tp > 1 with whole experts
 (``expert_tensor_parallel_size=1``) every ``ep`` dividing the experts and dp x tp. A layout is kept only if ``derive`` accepts it and the memory plan
 (``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
-are ranked by the step time of ``planning.performance`` and the best are printed with the command
-that runs each.
+are ranked by the step time of ``planning.performance`` and the best are printed with their MFU
+(model FLOPs over the GPU's dense bf16 peak) and the command that runs each. The memory plan covers
+the GPT family (GPT, Llama, MoE); other archs are refused in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Candidate:
 @dataclass(frozen=True)
 class Options:
     """What the enumeration may vary (SC21's runs had no sequence parallelism, no distributed
-    optimizer and no overlapped gradient reduction: ``benchmarks/planner_sc21.py`` turns them off)."""
+    optimizer, no overlapped gradient reduction and no flash attention: ``benchmarks/planner_sc21.py``
+    turns them off). Fused kernels and FP8 follow the config (``model.transformer_impl``,
+    ``precision.fp8``)."""
 
     micro_batches: Sequence[int] = MICRO_BATCHES
     recompute: Sequence[Optional[str]] = RECOMPUTE
@@ -55,6 +58,7 @@ class Options:
     max_cp: int = 32
     cp_comm_types: Sequence[str] = ("p2p", "a2a")
     max_ep: int = 64
+    flash_attention: bool = True  # this project's GPU attention (SDPA / TE); SC21's 2021 code had none
 
 
 def _divisors(n: int) -> List[int]:
@@ -94,6 +98,8 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
     layers, gbs = cfg.model.num_layers, cfg.data.global_batch_size
     seq, heads = cfg.model.seq_length, cfg.model.num_attention_heads
     cps = _context_parallel(cfg, world, opts)
+    software = dict(flash_attention=opts.flash_attention, fused_kernels=cfg.model.transformer_impl == "transformer_engine",
+                    fp8=cfg.precision.fp8 is not None)
     for tp, (cp, comm) in itertools.product(_divisors(cluster.gpus_per_node), cps):
         if comm == "a2a" and (heads // tp) % cp:
             continue  # config.derive: Ulysses splits each TP rank's heads over cp
@@ -112,7 +118,7 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
                              distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
-                             cp=cp, cp_comm=comm, ep=ep, whole_experts=whole)
+                             cp=cp, cp_comm=comm, ep=ep, whole_experts=whole, **software)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
@@ -191,7 +197,8 @@ def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options
 
 def _command(base: Sequence[str], cand: Candidate, cluster: ClusterConfig) -> str:
     launcher = ["-m", "hydra/launcher=slurm"] if cluster.num_nodes > 1 else []
-    precision = ["precision=bf16"] if bundled.has_option("precision", "bf16") else ["precision.params_dtype=bfloat16"]
+    name = "fp8" if cand.layout.fp8 else "bf16"
+    precision = [f"precision={name}"] if bundled.has_option("precision", name) else ["precision.params_dtype=bfloat16"]
     trainer = ["trainer=gpu", f"trainer.devices={cluster.gpus_per_node}", f"trainer.num_nodes={cluster.num_nodes}"]
     return " ".join(["python launch.py", *launcher, *base, *precision, *trainer, *cand.overrides])
 
@@ -228,13 +235,14 @@ def report(cfg: RunConfig, cluster: ClusterConfig, found: List[Candidate], base:
         lines.append("no layout fits: use more GPUs (cluster.num_nodes) or a smaller global batch / model")
         return "\n".join(lines)
     width = max(52, *(len(describe(c.layout)) for c in found[:top]))
-    lines.append(f"{'#':>2}  {'layout':<{width}} {'step s':>8} {'tokens/s':>10} {'model TFLOP/s/GPU':>18} {'hw TFLOP/s/GPU':>15}"
-                 f" {'bubble':>7} {'comm':>6} {'mem GiB':>8}")
+    lines.append(f"{'#':>2}  {'layout':<{width}} {'step s':>8} {'tokens/s':>10} {'model TFLOP/s/GPU':>18} {'MFU':>6}"
+                 f" {'hw TFLOP/s/GPU':>15} {'bubble':>7} {'comm':>6} {'mem GiB':>8}")
     for i, cand in enumerate(found[:top], 1):
         st = cand.step
         comm = (st.tp_comm + st.pp_comm + st.dp_comm + st.cp_comm + st.ep_comm) / st.total
         lines.append(f"{i:>2}  {describe(cand.layout):<{width}} {st.total:>8.2f} {st.tokens_per_s:>10.0f} "
-                     f"{st.model_tflops_per_gpu:>18.1f} {st.tflops_per_gpu:>15.1f} {st.bubble / st.total:>7.1%} "
+                     f"{st.model_tflops_per_gpu:>18.1f} {st.model_tflops_per_gpu / cluster.peak_tflops:>6.1%} "
+                     f"{st.tflops_per_gpu:>15.1f} {st.bubble / st.total:>7.1%} "
                      f"{comm:>6.1%} {cand.peak_bytes / 2**30:>8.1f}")
     lines.append("commands:")
     for i, cand in enumerate(found[:top], 1):
@@ -258,8 +266,14 @@ def base_overrides(cfg: RunConfig) -> List[str]:
 
 def run_planner(cfg: RunConfig, top: int = 5) -> List[Candidate]:
     """``mode=plan_layouts``: print the best layouts for ``cfg.cluster``."""
+    from megatron_hydra.planning.memory import PLANNED_ARCHS
+
     if cfg.cluster is None:
         raise ConfigError("mode=plan_layouts needs a cluster: add cluster=<name> (one of conf/cluster/*.yaml)")
+    if cfg.model.arch not in PLANNED_ARCHS:
+        raise ConfigError(f"mode=plan_layouts keeps only layouts whose memory plan fits, and the plan covers model.arch "
+                          f"in {', '.join(PLANNED_ARCHS)} (GPT, Llama, MoE), not {cfg.model.arch!r}: choose its "
+                          "parallel.* layout by hand")
     found = plan_layouts(cfg, cfg.cluster)
     print(report(cfg, cfg.cluster, found, base_overrides(cfg), top))
     return found

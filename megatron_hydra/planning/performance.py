@@ -25,7 +25,8 @@ logits (4 passes); the first stage reads the embedding (negligible).
 Tensor parallelism: per layer and micro-batch, 2 all-reduces of ``b s h e`` bytes in the forward and
 2 in the backward (all-gather + reduce-scatter pairs with sequence parallelism: the same volume),
 plus 2 more when the forward is recomputed; a ring moves ``2 (t-1)/t`` of the message per GPU, over
-NVLink when the group fits in a node, else InfiniBand. Not overlapped.
+NVLink when the group fits in a node, else InfiniBand. Not overlapped, unless ``tp_comm_overlap``
+(below).
 
 Pipeline: the 1F1B schedule (interleaved with ``v`` chunks per GPU) takes
 ``(m + (p-1)/v) * T_stage`` where ``T_stage`` is the forward + backward time of one micro-batch on
@@ -67,25 +68,62 @@ Data parallelism: a ring all-reduce of the GPU's fp32 gradients over the ``d c``
 the same weights, ``2 (dc-1)/(dc) * 4 P_gpu`` bytes per GPU (with the distributed optimizer a
 reduce-scatter of the same gradients plus an all-gather of bf16 weights:
 ``(dc-1)/(dc) * (4 + 2) P_gpu``), over NVLink when the group (``t d c`` consecutive ranks) fits in
-a node, else InfiniBand. Overlapped, only what outlasts the backward of the last micro-batch is
-exposed.
+a node, else InfiniBand; across nodes a group with ``k = gpus_per_node / t`` members per node
+reduces hierarchically at ``k`` times an adapter's rate (at most NVLink's). With
+``overlap_grad_reduce`` only what outlasts the backward it overlaps is exposed (below: per virtual
+chunk).
 
 Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of their rate (NCCL's
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
 are fixed, not fitted.
 
+Modern runs (each a switch on ``Layout``; off, they are the 2021 software above, which
+``planning.sc21`` evaluates; ``flash_attention`` is on by default, as in every GPU run of this
+project):
+
+* ``flash_attention`` (this project's GPU runs: torch's SDPA, or Transformer Engine's fused
+  attention): the attention scores never reach HBM, so the ``c_s a s / t`` passes vanish, and a
+  causal model (``arch=gpt``) skips the masked half of the score blocks: the two attention matmuls
+  take ``1/2`` of ``4 s a k`` FLOPs per token in time (the model FLOPs still count them whole),
+  at ``attention_efficiency * eta * peak`` (fitted: fused attention runs well below the GEMMs).
+* ``fused_kernels`` (``model.transformer_impl=transformer_engine``): the layer norm fused into the
+  next matmul's input and bias-dropout-add fused into one kernel: ``c_h_fused = 6`` element passes
+  per token and layer instead of ``c_h = 12``.
+* ``fp8`` (``precision.fp8``): the linear layers' matmuls (QKV, output, MLP) run at
+  ``fp8_efficiency * r_fp8 * eta * peak``, ``r_fp8`` the GPU's dense FP8 over bf16 peak
+  (``FP8_PEAK_RATIO``: 2 on H100/H200/B200; the A100 has no FP8 tensor cores and runs bf16);
+  attention and the LM head stay in bf16; ``fp8_efficiency`` is fitted (scaling, casts).
+* ``tp_comm_overlap`` (Megatron-Core with Transformer Engine's userbuffers; this project's layers
+  do not overlap, so its own layouts leave it off): each of the ``2 x 4`` half-size collectives of
+  a layer (``(t-1)/t * b s h e / c`` bytes per GPU: all-gather before QKV and FC1, reduce-scatter
+  after the output and FC2 projections, and their transposes in the backward) is paired with its
+  matmul ``G``. Forward (and recomputed forward) pairs are pipelined in ``t`` chunks, exposing
+  ``T/t + (t-1)/t * max(0, T - G)``; backward pairs are bulk-overlapped with the ``2 G`` of the
+  backward matmuls, exposing ``max(0, T - 2 G)``.
+* DP overlap per virtual chunk (``overlap_grad_reduce``): a chunk's gradients are reduced once its
+  last micro-batch's backward is done. With ``v`` chunks of backward time ``B_v = B / v`` each
+  (``B`` the backward of one micro-batch through the GPU's layers), the last chunk's reduction
+  ``R / v`` hides only behind its own backward, the others also behind the ``(v-1) p`` chunk
+  backwards of the interleaved cool-down: exposed ``max(R/v - B_v, R - B_v (1 + (v-1) p), 0)``
+  (``v = 1``: ``max(0, R - B)``). With the distributed optimizer the bf16 weights' all-gather
+  ``A`` hides the same way behind the forward ``F`` of the next step's first micro-batch.
+
+Matmul efficiency per GPU generation: ``eta`` is looked up by ``cluster.gpu`` in
+``Constants.gpu_eta`` (``planning.calibration.CALIBRATED``), ``Constants.eta`` for the rest.
+
 Calibration. ``eta`` (the achieved fraction of peak of large bf16 matmuls) and ``kappa`` (how many
-times the counted element passes the memory-bound kernels really make) were fitted once, by least
-squares on the relative error of TFLOP/s per GPU, to the ten rows of Narayanan et al. 2021
-(SC21), Table 1 (``planning.sc21``), and nothing else; ``benchmarks/planner_sc21.py`` prints the
-fit's per-row error. Those runs had ``c = 1`` and no experts: the context- and expert-parallel
-terms are not calibrated.
+times the counted element passes the memory-bound kernels really make) were fitted by least
+squares on the relative error of TFLOP/s per GPU to the ten rows of Narayanan et al. 2021 (SC21),
+Table 1 (``planning.sc21``); ``benchmarks/planner_sc21.py`` prints the fit's per-row error. The
+H100 ``eta`` and ``fp8_efficiency`` are fitted on published H100 rows, and checked on rows held
+out of the fit (``planning.calibration``, ``benchmarks/planner_validation.py``). The context- and
+expert-parallel terms are not calibrated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
@@ -97,15 +135,34 @@ GRAD_BYTES = 4
 
 @dataclass(frozen=True)
 class Constants:
-    eta: float = 0.67  # achieved fraction of peak of large matmuls (fitted on SC21 Table 1)
-    kappa: float = 0.5  # memory-bound traffic relative to the counted passes (fitted on SC21 Table 1)
+    eta: float = 0.726  # achieved fraction of peak of large matmuls (fitted on SC21 Table 1)
+    kappa: float = 1.26  # memory-bound traffic relative to the counted passes (fitted on SC21 Table 1)
     link_efficiency: float = 0.75
     latency_s: float = 20e-6
     c_h: float = 12.0
     c_s: float = 5.0
+    c_h_fused: float = 6.0  # element passes with Transformer Engine's fused kernels
+    gpu_eta: Tuple[Tuple[str, float], ...] = ()  # (cluster.gpu, eta) where it differs from ``eta``
+    fp8_efficiency: float = 1.0  # achieved fraction of the FP8 rate relative to bf16's eta
+    attention_efficiency: float = 1.0  # flash attention's rate relative to the matmuls' eta
+
+    def matmul_eta(self, gpu: str) -> float:
+        return dict(self.gpu_eta).get(gpu, self.eta)
 
 
-CALIBRATED = Constants()
+SC21_FIT = Constants()  # eta and kappa of the SC21 fit (planning.sc21.fit)
+
+# Dense FP8 over dense bf16 tensor-core peak (datasheets: H100 SXM 1,979 / 989 TFLOP/s; H200 the
+# same chip; B200 4.5 / 2.25 PFLOP/s); the A100 has no FP8 tensor cores.
+FP8_PEAK_RATIO = {"H100-SXM5-80GB": 2.0, "H200-SXM-141GB": 2.0, "B200-SXM-180GB": 2.0}
+
+# The shipped constants: SC21's eta and kappa (the A100 and the fallback), the Hopper/Blackwell eta
+# and the FP8 efficiency fitted on the fitting rows of ``planning.calibration`` (its ``fit``; the
+# B200 has no published row in the fit and takes the H100's value).
+_HOPPER_ETA = 0.6067
+CALIBRATED = replace(SC21_FIT, gpu_eta=(("H100-SXM5-80GB", _HOPPER_ETA), ("H200-SXM-141GB", _HOPPER_ETA),
+                                        ("B200-SXM-180GB", _HOPPER_ETA)), fp8_efficiency=0.8067,
+                     attention_efficiency=0.3767)
 
 
 @dataclass(frozen=True)
@@ -124,6 +181,10 @@ class Layout:
     cp_comm: str = "p2p"  # parallel.cp_comm_type: p2p | a2a
     ep: int = 1  # parallel.expert_parallel_size
     whole_experts: bool = False  # parallel.expert_tensor_parallel_size=1 (with tp > 1)
+    flash_attention: bool = True  # scores never in HBM, causal blocks skipped (SDPA / TE on GPU)
+    fused_kernels: bool = False  # model.transformer_impl=transformer_engine
+    fp8: bool = False  # precision.fp8
+    tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
 
 
 @dataclass(frozen=True)
@@ -176,25 +237,38 @@ def _mlp_widths(tc: TransformerConfig) -> tuple:
     return tc.ffn_hidden_size, routed
 
 
-def _layer_fwd_flops_per_token(tc: TransformerConfig) -> tuple:
-    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward,
-    averaged over the layers (MoE layers: router and the experts a token runs through)."""
+def _projection_flops_per_token(tc: TransformerConfig) -> tuple:
+    """Forward matmul FLOPs per token of (QKV, attention output, MLP in, MLP out), averaged over
+    the layers (MoE layers: the router with the MLP input, the experts a token runs through)."""
     h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
     dense_f, moe_f = _mlp_widths(tc)
     x = _moe_fraction(tc)
     router = 2 * h * tc.moe.num_experts if tc.moe is not None else 0
-    mlp = 2 * _mlp_units(tc) * h * ((1 - x) * dense_f + x * moe_f) + x * router
-    dense = 2 * (h * (a + 2 * g) * k + a * k * h) + mlp
-    return float(dense), float(4 * tc.seq_length * a * k)
+    width = (1 - x) * dense_f + x * moe_f
+    units = _mlp_units(tc)
+    return (2.0 * h * (a + 2 * g) * k, 2.0 * a * k * h, 2.0 * (units - 1) * h * width + x * router, 2.0 * h * width)
+
+
+def _layer_fwd_flops_per_token(tc: TransformerConfig) -> tuple:
+    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward,
+    averaged over the layers (MoE layers: router and the experts a token runs through)."""
+    return float(sum(_projection_flops_per_token(tc))), float(4 * tc.seq_length * tc.num_attention_heads * tc.kv_channels)
 
 
 def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
     return bytes_per_gpu / (gb_per_s * 1e9 * c.link_efficiency) + messages * c.latency_s
 
 
-def _group_link(cluster: ClusterConfig, span: int) -> float:
-    """Bandwidth of a group whose ranks spread over ``span`` consecutive ranks."""
-    return cluster.nvlink_gb_per_s if span <= cluster.gpus_per_node else cluster.ib_gb_per_s
+def _group_link(cluster: ClusterConfig, span: int, members_per_node: int = 1) -> float:
+    """Bandwidth per member of a group spread over ``span`` consecutive ranks: NVLink within a
+    node, else InfiniBand. A reduction (all-reduce, reduce-scatter, all-gather) whose group has
+    ``k = members_per_node`` members on each node runs hierarchically: each member carries ``1/k``
+    of its node's inter-node volume over its own adapter, i.e. ``k`` times the adapter's rate for
+    the whole message, at most NVLink's. Point-to-point and all-to-all traffic leaves a GPU by its
+    own adapter (``k = 1``)."""
+    if span <= cluster.gpus_per_node:
+        return cluster.nvlink_gb_per_s
+    return min(cluster.nvlink_gb_per_s, cluster.ib_gb_per_s * max(1, members_per_node))
 
 
 def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
@@ -234,16 +308,22 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     s, h, a, f = tc.seq_length, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size
     m = global_batch / (b * d)
     tokens_mb = b * s / cp  # the tokens of a micro-batch one GPU holds
-    peak, hbm = cluster.peak_tflops * 1e12 * c.eta, cluster.hbm_gb_per_s * 1e9
+    peak, hbm = cluster.peak_tflops * 1e12 * c.matmul_eta(cluster.gpu), cluster.hbm_gb_per_s * 1e9
+    fp8 = lay.fp8 and cluster.gpu in FP8_PEAK_RATIO  # a GPU without FP8 tensor cores runs bf16
+    linear_peak = peak * max(1.0, c.fp8_efficiency * FP8_PEAK_RATIO[cluster.gpu]) if fp8 else peak
     dense, attn = _layer_fwd_flops_per_token(tc)
+    causal = 0.5 if lay.flash_attention and tc.arch == "gpt" else 1.0
 
     # One layer, one micro-batch, on one GPU: forward matmul and memory-bound seconds.
-    mm_dense, mm_attn = tokens_mb * dense / t / peak, tokens_mb * attn / t / peak
+    projections = [tokens_mb * x / t / linear_peak for x in _projection_flops_per_token(tc)]
+    attn_rate = peak * (c.attention_efficiency if lay.flash_attention else 1.0)
+    mm_dense, mm_attn = sum(projections), causal * tokens_mb * attn / t / attn_rate
     h_rep = h / t if lay.sequence_parallel else h
     x = _moe_fraction(tc)
     f = (1 - x) * f + x * _mlp_widths(tc)[1]
-    mem_h = c.kappa * ACT_BYTES * tokens_mb * (c.c_h * h_rep + 2 * f / t) / hbm
-    mem_s = c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
+    passes = c.c_h_fused if lay.fused_kernels else c.c_h
+    mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
+    mem_s = 0.0 if lay.flash_attention else c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
     fwd = mm_dense + mm_attn + mem_h + mem_s
     selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
     extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
@@ -254,12 +334,7 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     stage_time = layers_per_gpu * layer_time + 3 * head_fwd  # the last stage is the slowest
 
     # Tensor-parallel collectives (per layer and micro-batch, on the critical path).
-    if t > 1:
-        collectives = 4 + (2 if lay.recompute == "full" else 0)
-        msg = 2 * (t - 1) / t * tokens_mb * h * ACT_BYTES
-        tp_layer = collectives * _ring_time(msg, _group_link(cluster, t), c)
-    else:
-        tp_layer = 0.0
+    tp_layer = tp_layer_seconds(tc, lay, cluster, c, projections)
     tp_stage = layers_per_gpu * tp_layer
     cp_stage = layers_per_gpu * cp_layer_seconds(tc, lay, cluster, c, block_attention=(mm_attn + mem_s) / cp)[1]
     ep_stage = layers_per_gpu * _moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
@@ -283,15 +358,23 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd)
     elif dc > 1:
         dense_params, expert_params = _params_per_gpu(tc, lay)
-        per_param = (GRAD_BYTES + ACT_BYTES) if lay.distributed_optimizer else 2 * GRAD_BYTES
-        dp_comm = _ring_time((dc - 1) / dc * dense_params * per_param, _group_link(cluster, t * dc), c, messages=2)
+        link = _group_link(cluster, t * dc, cluster.gpus_per_node // t)
         edc = dc * (t if lay.whole_experts else 1) // lay.ep  # the ranks holding the same experts
-        if expert_params and edc > 1:
-            dp_comm += _ring_time((edc - 1) / edc * expert_params * per_param, _group_link(cluster, t * dc), c,
-                                  messages=2)
+        share = (edc - 1) / edc * expert_params if expert_params and edc > 1 else 0.0
+        volume = (dc - 1) / dc * dense_params
+        if lay.distributed_optimizer:  # reduce-scatter fp32 gradients, all-gather bf16 weights
+            reduce = _ring_time(volume * GRAD_BYTES, link, c) + (_ring_time(share * GRAD_BYTES, link, c) if share else 0)
+            gather = _ring_time(volume * ACT_BYTES, link, c) + (_ring_time(share * ACT_BYTES, link, c) if share else 0)
+        else:
+            reduce = _ring_time(volume * 2 * GRAD_BYTES, link, c, 2) + (
+                _ring_time(share * 2 * GRAD_BYTES, link, c, 2) if share else 0)
+            gather = 0.0
         if lay.overlap_grad_reduce:
             backward_of_last = layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd
-            dp_comm = max(0.0, dp_comm - backward_of_last)
+            forward_of_first = layers_per_gpu * fwd + head_fwd
+            dp_comm = _chunk_overlap(reduce, backward_of_last, v, p) + _chunk_overlap(gather, forward_of_first, v, p)
+        else:
+            dp_comm = reduce + gather
 
     gpus = t * p * cp * d
     model_flops = 3 * global_batch * s * (tc.num_layers * (dense + attn) + 2 * h * tc.padded_vocab_size)
@@ -300,6 +383,33 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
                     tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm)
+
+
+def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
+    """Exposed seconds of a data-parallel exchange of ``v`` virtual chunks, each started after its
+    chunk's last micro-batch (module docstring: DP overlap per virtual chunk)."""
+    chunk = compute / v
+    return max(0.0, comm / v - chunk, comm - chunk * (1 + (v - 1) * p))
+
+
+def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
+                     projections: list) -> float:
+    """Exposed seconds of one layer's tensor-parallel collectives per micro-batch on one GPU;
+    ``projections`` are the forward seconds of the (QKV, output, MLP in, MLP out) matmuls."""
+    t = lay.tp
+    if t == 1:
+        return 0.0
+    tokens = lay.micro_batch * tc.seq_length / lay.cp
+    link = _group_link(cluster, t)
+    replays = 1 if lay.recompute == "full" else 0
+    msg = 2 * (t - 1) / t * tokens * tc.hidden_size * ACT_BYTES
+    exposed = (4 + 2 * replays) * _ring_time(msg, link, c)
+    if not lay.tp_comm_overlap:
+        return exposed
+    half = _ring_time(msg / 2, link, c)
+    pipelined = sum(half / t + (t - 1) / t * max(0.0, half - g) for g in projections)
+    bulk = sum(max(0.0, half - 2 * g) for g in projections)
+    return min(exposed, (1 + replays) * pipelined + bulk)  # latency-bound messages: overlap off
 
 
 def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
@@ -329,11 +439,11 @@ def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterCon
     params = sum(_params_per_gpu(tc, lay))
     blocks = tc.num_layers / lay.pp + 1
     gathers = 2 if lay.pp == 1 else 1
-    link = _group_link(cluster, lay.tp * d)
+    link = _group_link(cluster, lay.tp * d, cluster.gpus_per_node // lay.tp)
     gather = gathers * _ring_time((d - 1) / d * params * ACT_BYTES, link, c, blocks)
     reduce = _ring_time((d - 1) / d * params * GRAD_BYTES, link, c, blocks)
     return m * max(0.0, gather - stage_time) + max(0.0, reduce - backward_of_last)
 
 
 def with_constants(eta: float, kappa: float) -> Constants:
-    return replace(CALIBRATED, eta=eta, kappa=kappa)
+    return replace(SC21_FIT, eta=eta, kappa=kappa)

@@ -79,12 +79,14 @@ def transformer(row: SC21Row):
 
 def published_layout(row: SC21Row):
     """The row's layout as the 2021 code ran it: full recompute, no sequence parallelism, no
-    distributed optimizer, gradient all-reduce after the backward. Micro-batch 1 and no
-    interleaving: the table states neither, and these are Megatron's defaults."""
+    distributed optimizer, gradient all-reduce after the backward, attention scores in HBM.
+    Micro-batch 1 and no interleaving: the table states neither, and these are Megatron's
+    defaults."""
     from megatron_hydra.planning.performance import Layout
 
     return Layout(tp=row.tp, pp=row.pp, dp=row.dp, micro_batch=1, vpp=1, recompute="full",
-                  sequence_parallel=False, distributed_optimizer=False, overlap_grad_reduce=False)
+                  sequence_parallel=False, distributed_optimizer=False, overlap_grad_reduce=False,
+                  flash_attention=False)
 
 
 def predicted_tflops(row: SC21Row, cluster, constants=None) -> float:
