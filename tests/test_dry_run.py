@@ -179,7 +179,10 @@ def test_launcher_runs_the_dry_run_before_any_gpu_check(tmp_path, capsys):
     ("parallel=tp2", "trainer.devices=4", "parallel.sequence_parallel=true", "model.position_embedding=rope",
      "model.num_query_groups=2", "parallel.context_parallel_size=2"),
     ("trainer.devices=2", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"),
-], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a"])
+    # activation recompute: the replay runs on autograd's device thread (parallel.recompute)
+    ("recompute.granularity=full",),
+    ("parallel=tp2", "trainer.devices=2", "parallel.sequence_parallel=true", "recompute.granularity=selective"),
+], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a", "full_recompute", "tp2_sp_selective_recompute"])
 def test_activations_per_layer_match_the_analytic_formula(form):
     """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
     plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""
@@ -193,5 +196,5 @@ def test_activations_per_layer_match_the_analytic_formula(form):
         (result,) = D.dry_run(cfg, derived, [0])
         peaks[layers] = result.peak_bytes - result.static_bytes
     measured = (peaks[6] - peaks[2]) / 4
-    planned = activation_bytes_per_layer(**_layer_shape(cfg, derived))
+    planned = activation_bytes_per_layer(**_layer_shape(cfg, derived), recompute=cfg.recompute.granularity)
     assert measured == pytest.approx(planned, rel=0.01)

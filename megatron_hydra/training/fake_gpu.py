@@ -101,6 +101,11 @@ class _DeviceModule:
     def set_rng_state(self, state, device=None) -> None:
         pass
 
+    def get_amp_supported_dtype(self):
+        """What ``torch.amp.autocast`` asks of a backend: activation recompute replays its region
+        under the forward's autocast state on this device (a GPU's 16-bit types)."""
+        return [torch.float16, torch.bfloat16]
+
     # FSDP (parallel.data_parallel=fsdp) runs its collectives on side streams ordered by events. The
     # stand-in computes nothing, so one stream is all it has: the host's no-op stream and event.
     Stream = torch.cpu.Stream
