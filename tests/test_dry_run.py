@@ -182,7 +182,11 @@ def test_launcher_runs_the_dry_run_before_any_gpu_check(tmp_path, capsys):
     # activation recompute: the replay runs on autograd's device thread (parallel.recompute)
     ("recompute.granularity=full",),
     ("parallel=tp2", "trainer.devices=2", "parallel.sequence_parallel=true", "recompute.granularity=selective"),
-], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a", "full_recompute", "tp2_sp_selective_recompute"])
+    # attention within documents keeps its [b, 1, queries, keys] mask (the ring: its own queries')
+    ("data=demo", "data.reset_attention_mask=true"),
+    ("data=demo", "data.reset_attention_mask=true", "trainer.devices=2", "parallel.context_parallel_size=2"),
+], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a", "full_recompute", "tp2_sp_selective_recompute",
+        "document_mask", "cp2_document_mask"])
 def test_activations_per_layer_match_the_analytic_formula(form):
     """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
     plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""

@@ -202,10 +202,11 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
                                value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
                                attention_dropout: bool = True, attention: str = "unfused",
                                sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1,
-                               cp_comm: str = "p2p") -> float:
+                               cp_comm: str = "p2p", document_mask: bool = False) -> float:
     """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
     defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
-    keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel). With
+    keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel);
+    ``document_mask``: attention within documents (``parallel.document_masks``). With
     context parallelism ``cp`` the rank holds s/cp of the ``seq`` tokens, whose queries attend to
     all ``seq`` keys (``planning.context_parallel``)."""
     s, b, h, a, t, v = seq, micro_batch, hidden, heads, tp, value_bytes
@@ -224,6 +225,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     total += context_parallel.layer_extra_bytes(cp, cp_comm, rotary, tokens=q * b, heads=a, kv_channels=d, tp=t, value_bytes=v)
     if recompute == "selective" and cp == 1:
         return total
+    if document_mask:  # the additive mask the kernel keeps, [b, 1, queries, keys]: Ulysses' gathers all queries
+        total += v * b * s * (s if cp_comm == "a2a" else q)
     if attention == "fused" or cp > 1:  # context-parallel attention is never replayed: it keeps its lse
         return total + 4 * a * q * b / t
     return total + a * q * s * b * (2 * v + mask_bytes if attention_dropout else v) / t
@@ -239,7 +242,8 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
-                rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type)
+                rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type,
+                document_mask=cfg.data.reset_attention_mask or cfg.data.name == "sft")
 
 
 def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:

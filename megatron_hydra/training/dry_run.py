@@ -136,8 +136,9 @@ def _fake_batch(cfg: RunConfig, derived: Derived, ps: ParallelState) -> Dict[str
     # to the device.
     batch = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in fields.items()}
     # The EOD options add their fields (data.packed_documents), so the step runs the masked attention.
+    # Packed fine-tuning data (data=sft) always carries both.
     for key, name in (("reset_position_ids", "position_ids"), ("reset_attention_mask", "document_ids")):
-        if tcfg.arch == "gpt" and getattr(cfg.data, key):
+        if tcfg.arch == "gpt" and (getattr(cfg.data, key) or cfg.data.name == "sft"):
             batch[name] = torch.zeros(batch["tokens"].shape, dtype=torch.int64)
     return shard_batch(batch, ps.cp_size, ps.cp_rank)
 
