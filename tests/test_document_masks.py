@@ -197,6 +197,8 @@ def test_layouts_equal_the_single_process(corpus_run, layout, tmp_path):
      "model.transformer_impl=local"),
     (["data=demo", "data.reset_position_ids=true", "model.transformer_impl=transformer_engine"],
      "data.reset_position_ids=true: .* model.transformer_impl=local"),
+    (["data=sft", "data.path=chat.jsonl", "model.transformer_impl=transformer_engine"],
+     "data=sft .* model.transformer_impl=local"),
 ])
 def test_bad_settings_are_one_line_errors(overrides, key):
     with pytest.raises(ConfigError, match=key) as err:

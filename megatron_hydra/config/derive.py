@@ -409,7 +409,12 @@ DOCUMENT_KEYS = ("data.eod_mask_loss", "data.reset_position_ids", "data.reset_at
 def _check_documents(cfg: RunConfig) -> None:
     """The EOD options (``data.packed_documents``) need samples with EOD tokens (GPT samples of
     demo or indexed data); reset positions and document masks reach the local attention only
-    (``models.te_layers`` takes neither)."""
+    (``models.te_layers`` takes neither), and packed fine-tuning data (``data=sft``) always
+    carries both."""
+    if cfg.data.name == "sft" and cfg.model.transformer_impl != "local":
+        raise ConfigError("data=sft packs conversations with per-conversation positions and attention masks, which "
+                          "run in the local attention only: set model.transformer_impl=local (checkpoints load "
+                          "under either)")
     on = [key for key in DOCUMENT_KEYS if _get(cfg, key)]
     if not on:
         return

@@ -12,8 +12,9 @@ chosen over next-fit (close a pack as soon as a sample does not fit) because it 
 next-fit leaves behind with the short samples that come later, which is most of the padding
 next-fit pays.
 
-The cost is O(n log c) for n samples and c distinct free-space values (at most seq_length + 1):
-open packs are kept in buckets by free space, and the non-empty free-space values in a sorted list.
+Open packs are kept in buckets by free space, and the non-empty free-space values (c of them, at
+most seq_length + 1) in a sorted list: O(n log c) comparisons for n samples, and list insertions
+and removals that move up to c entries each (O(n c) at worst, small for c <= seq_length + 1).
 """
 
 from __future__ import annotations

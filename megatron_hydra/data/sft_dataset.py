@@ -137,8 +137,11 @@ def tokenize_conversations(path: str, tokenizer: Tokenizer, seq_length: int, voc
     if len(starts) == 1:
         raise DataError(f"{path}: no conversation has an assistant token within model.seq_length={seq_length}")
     samples = SFTSamples(np.concatenate(ids), np.concatenate(flags), np.asarray(starts, np.int64))
-    top = int(samples.ids.max())
-    if top >= vocab_size or int(samples.ids.min()) < 0:
+    top, bottom = int(samples.ids.max()), int(samples.ids.min())
+    if bottom < 0:
+        raise DataError(f"{path}: the tokenizer (template {template.name}) produced the negative token id {bottom}; "
+                        "check data.tokenizer")
+    if top >= vocab_size:
         raise DataError(f"{path}: token id {top} (tokenizer of {tokenizer.vocab_size} ids, template "
                         f"{template.name}) >= the model's vocabulary size {vocab_size}; raise model.vocab_size")
     log.info("%s: %d conversations, chat template: %s", path, len(samples), template.name)

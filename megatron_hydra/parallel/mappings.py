@@ -49,26 +49,30 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """Forward all-gather along ``dim``, backward this rank's split: the pieces are whole values."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.all_gather(x, -1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return C.all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.split(grad, -1, ctx.group), None
+        return C.split(grad, ctx.dim, ctx.group), None, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class _Split(torch.autograd.Function):
+    """Forward this rank's split along ``dim``, backward all-gather."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.split(x, -1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return C.split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, -1, ctx.group), None
+        return C.all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -93,30 +97,8 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return C.all_gather(grad, SEQ_DIM, ctx.group), None
 
 
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.split(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_gather(grad, SEQ_DIM, ctx.group), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.all_gather(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.split(grad, SEQ_DIM, ctx.group), None
-
-
-def _apply(fn, x, group):
-    return x if C.group_size(group) == 1 else fn.apply(x, group)
+def _apply(fn, x, group, *more):
+    return x if C.group_size(group) == 1 else fn.apply(x, group, *more)
 
 
 def copy_to_tp(x, group):
@@ -128,11 +110,11 @@ def reduce_from_tp(x, group):
 
 
 def gather_from_tp(x, group):
-    return _apply(_GatherFromTP, x, group)
+    return _apply(_Gather, x, group, -1)
 
 
 def scatter_to_tp(x, group):
-    return _apply(_ScatterToTP, x, group)
+    return _apply(_Split, x, group, -1)
 
 
 def gather_from_sp(x, group):
@@ -145,8 +127,8 @@ def reduce_scatter_to_sp(x, group):
 
 
 def split_sequence(x, group):
-    return _apply(_SplitSequence, x, group)
+    return _apply(_Split, x, group, SEQ_DIM)
 
 
 def gather_sequence(x, group):
-    return _apply(_GatherSequence, x, group)
+    return _apply(_Gather, x, group, SEQ_DIM)

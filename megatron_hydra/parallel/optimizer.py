@@ -241,7 +241,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """fp16: divide the loss scale out of ``grads`` and say whether any rank's gradients hold
         NaN or inf. One fused pass checks and unscales every tensor (no per-tensor host read); the
         flag is reduced over the model (tp x pp) and data-parallel groups (so every rank sees every
-        rank's, expert gradients included: dp x cp spans the ep groups), then read on the host
+        rank's, expert gradients included: model x dp x cp spans the ep groups, whole experts' too), then read on the host
         once: skipping the step and the scaler's bookkeeping happen on the host (as in Megatron),
         so an fp16 step waits for its gradients here, the one host sync of an fp16 step."""
         device = grads[0].device

@@ -134,7 +134,8 @@ class ParallelState:
         }
         state = cls(sizes=sizes, rank=rank, ep=ep, etp=etp)
         if ep > 1 or not state.experts_split_over_tp:  # whole experts at ep 1 still reduce over tp too
-            combined.update(expert_group_ranks(sizes, ep, state.experts_split_over_tp))
+            expert_groups = expert_group_ranks(sizes, ep, state.experts_split_over_tp)
+            combined.update(expert_groups if ep > 1 else {"edp_cp": expert_groups["edp_cp"]})  # no 1-rank ep groups
         for name, all_groups in combined.items():
             for members in all_groups:  # every rank creates every group, in the same order
                 group = dist.new_group(members, timeout=timeout)

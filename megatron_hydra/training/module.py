@@ -294,14 +294,15 @@ class LMModule(pl.LightningModule):
     def _peak_memory(self, device) -> list:
         """The largest peak memory of any rank since the previous logging step (see
         ``training.memory_peak``; the worst rank is the one that runs out first), as one scalar on
-        ``device`` (a max over the world group, read with this step's other values); then a new
-        window starts. Empty where the peak cannot be measured (no ``/proc``)."""
+        ``device`` (a max over the model group, then dp x cp: every rank; read with this step's
+        other values); then a new window starts. Empty where the peak cannot be measured."""
         peak = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
         if peak is None:
             return []
         value = torch.tensor(float(peak), dtype=torch.float64, device=device)
-        C.all_reduce(value, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.MAX)
+        for group in (self.ps.group("model"), self.ps.dp_cp_group):  # together: every rank
+            C.all_reduce(value, group, op=torch.distributed.ReduceOp.MAX)
         return [value]
 
     def _moe_metrics(self, device) -> list:
@@ -309,7 +310,8 @@ class LMModule(pl.LightningModule):
         applied), and the worst layer's load imbalance: max / mean routed tokens per expert (1 =
         balanced); over every pipeline stage (a sum and a max over the pp group). With a capacity
         factor, also the fraction of (token, choice) assignments dropped, over every rank's last
-        micro-batch (TP ranks count the same tokens alike, which leaves the fraction unchanged)."""
+        micro-batch (the dropped and routed counts are summed over the same ranks: TP ranks that count
+        the same tokens alike, or whole experts' TP ranks each counting its own slice)."""
         if self.derived.transformer.moe is None:
             return []
         aux = torch.zeros((), dtype=torch.float64, device=device)
