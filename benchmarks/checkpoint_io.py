@@ -29,29 +29,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_hydra.training.memory_peak import resident_peak_added
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"single": (1, ["parallel=single"]), "dp2": (2, ["parallel=single"]), "tp2": (2, ["parallel=tp2"]),
            "zero1_dp2": (2, ["parallel=single", "optim.distributed_optimizer=true"]),
            "zero1_dp4": (4, ["parallel=single", "optim.distributed_optimizer=true"])}
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _peak_extra(fn) -> int:
-    """Bytes of resident memory ``fn`` adds at its peak (``VmHWM`` reset before it)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _kib("VmRSS")
-    fn()
-    return (_kib("VmHWM") - before) * 1024
 
 
 def _config(layers: int, world: int, layout):
@@ -102,9 +85,9 @@ def _rank(rank: int, world: int, port: int, layers: int, layout, path: str, queu
         dist.barrier()
         start = time.perf_counter()
         if phase == "save":
-            extra = _peak_extra(lambda: save(path, module.model, opt, ps, vocab, {"step": 1}))
+            extra = resident_peak_added(lambda: save(path, module.model, opt, ps, vocab, {"step": 1}))
         else:
-            extra = _peak_extra(lambda: load(path, module.model, opt, ps, vocab))
+            extra = resident_peak_added(lambda: load(path, module.model, opt, ps, vocab))
         dist.barrier()
         results[phase] = time.perf_counter() - start
         results[f"{phase}_extra"] = extra

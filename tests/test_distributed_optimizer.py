@@ -106,25 +106,6 @@ BIG = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads
        "parallel.grad_bucket_size=1000000"]
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _extra_bytes(fn) -> int:
-    """Peak resident memory ``fn`` adds to this process (``VmHWM`` reset before it)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)  # hand freed heap pages back, so that reusing them shows
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss_kib("VmRSS")
-    fn()
-    return (_rss_kib("VmHWM") - before) * 1024
-
-
 def _save_load_peak(rank, world, path):
     import torch.distributed as dist
 
@@ -132,6 +113,7 @@ def _save_load_peak(rank, world, path):
     from megatron_hydra.checkpoint.sharded import load, save
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.memory_peak import resident_peak_added
 
     torch.set_num_threads(1)
     out = {}
@@ -142,9 +124,9 @@ def _save_load_peak(rank, world, path):
         module, buffer, opt = _one_step(cfg, derived, ps, True)
         target = f"{path}/{name}"
         vocab = derived.transformer.vocab_size
-        saving = _extra_bytes(lambda: save(target, module.model, opt, ps, vocab, {"step": 1, "consumed_samples": 0}))
+        saving = resident_peak_added(lambda: save(target, module.model, opt, ps, vocab, {"step": 1, "consumed_samples": 0}))
         dist.barrier()
-        loading = _extra_bytes(lambda: load(target, module.model, opt, ps, vocab))
+        loading = resident_peak_added(lambda: load(target, module.model, opt, ps, vocab))
         bucket = max(b.end - b.start for b in buffer.buckets) * 4
         weights = sum(p.numel() * p.element_size() for p in module.model.parameters())
         # The rank's shard of the checkpoint: its optimizer state and its 1/dp of the weights.

@@ -15,15 +15,20 @@ from typing import Optional
 import torch
 
 
-def _vm_hwm_bytes() -> Optional[int]:
+def _status_bytes(field: str) -> Optional[int]:
+    """``field`` (VmHWM, VmRSS) of ``/proc/self/status`` in bytes; None without ``/proc``."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024  # reported in kB
     except OSError:
         pass
     return None
+
+
+def _vm_hwm_bytes() -> Optional[int]:
+    return _status_bytes("VmHWM")
 
 
 def peak_memory_bytes(device: torch.device) -> Optional[int]:
@@ -43,3 +48,18 @@ def reset_peak_memory(device: torch.device) -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def resident_peak_added(fn) -> int:
+    """Bytes of resident memory ``fn()`` adds to this process at its peak, on Linux: the heap's
+    free pages handed back first (so that reusing them shows), the high-water mark reset, then
+    ``VmHWM`` after ``fn`` minus ``VmRSS`` before it. For tests and benchmarks of host memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    reset_peak_memory(torch.device("cpu"))
+    before = _status_bytes("VmRSS")
+    fn()
+    return _status_bytes("VmHWM") - before
