@@ -28,29 +28,23 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from queue import Empty
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from context_parallel import _spawn  # noqa: E402  (one gloo rank per process, every rank's result)
 
 ROOT = Path(__file__).resolve().parents[1]
 H, FFN, E, K, TOKENS = 256, 256, 8, 2, 4 * 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _a2a_rank(rank: int, ep: int, port: int, out) -> None:
+def _a2a_rank(rank: int, ep: int) -> tuple:
+    """(bytes counted in the expert exchanges, bytes that left this rank), on a running gloo group."""
     from megatron_hydra.config.transformer_config import MoESpec, TransformerConfig
     from megatron_hydra.models.init import init_weights
     from megatron_hydra.models.moe import MoELayer
@@ -58,41 +52,31 @@ def _a2a_rank(rank: int, ep: int, port: int, out) -> None:
     from megatron_hydra.parallel import expert_dispatch
     from megatron_hydra.parallel.state import ParallelState
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ep)
-    try:
-        ps = ParallelState.build(dp=ep, ep=ep)
-        holder = torch.nn.Module()
-        holder.mlp = layer = MoELayer(MoESpec(num_experts=E, ffn_hidden_size=FFN, top_k=K, aux_loss_coeff=0.01), H,
-                                      "swiglu", ps)
-        shape = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=8, num_query_groups=8, kv_channels=32,
-                                  ffn_hidden_size=FFN, seq_length=TOKENS, max_position_embeddings=TOKENS,
-                                  vocab_size=8, padded_vocab_size=8)
-        init_weights(holder, shape, seed=1234, tp_rank=0, tp_size=1)  # the run's initial router and experts
-        torch.manual_seed(1 + rank)  # each rank its own tokens
-        plans = []
-        original = expert_dispatch.plan
+    ps = ParallelState.build(dp=ep, ep=ep)
+    holder = torch.nn.Module()
+    holder.mlp = layer = MoELayer(MoESpec(num_experts=E, ffn_hidden_size=FFN, top_k=K, aux_loss_coeff=0.01), H,
+                                  "swiglu", ps)
+    shape = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=8, num_query_groups=8, kv_channels=32,
+                              ffn_hidden_size=FFN, seq_length=TOKENS, max_position_embeddings=TOKENS,
+                              vocab_size=8, padded_vocab_size=8)
+    init_weights(holder, shape, seed=1234, tp_rank=0, tp_size=1)  # the run's initial router and experts
+    torch.manual_seed(1 + rank)  # each rank its own tokens
+    plans = []
+    original = expert_dispatch.plan
 
-        def recorded(*args, **kwargs):
-            plans.append(original(*args, **kwargs))
-            return plans[-1]
+    def recorded(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
 
-        expert_dispatch.plan = recorded
-        x = torch.randn(4, TOKENS // 4, H, requires_grad=True)
-        with C.count_comm() as comm:
-            layer(x).square().sum().backward()
-        (p,) = plans
-        # Rows leaving this rank: dispatch forward and combine backward send p.send_splits, combine
-        # forward and dispatch backward p.recv_splits; minus what stays home.
-        away = 2 * (sum(p.send_splits) - p.send_splits[rank] + sum(p.recv_splits) - p.recv_splits[rank])
-        result = (comm.bytes["ep_a2a"], away * H * 4)
-        gathered = [None] * ep
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            out.put(gathered)
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+    expert_dispatch.plan = recorded
+    x = torch.randn(4, TOKENS // 4, H, requires_grad=True)
+    with C.count_comm() as comm:
+        layer(x).square().sum().backward()
+    (p,) = plans
+    # Rows leaving this rank: dispatch forward and combine backward send p.send_splits, combine
+    # forward and dispatch backward p.recv_splits; minus what stays home.
+    away = 2 * (sum(p.send_splits) - p.send_splits[rank] + sum(p.recv_splits) - p.recv_splits[rank])
+    return comm.bytes["ep_a2a"], away * H * 4
 
 
 def all_to_all_volume() -> None:
@@ -100,22 +84,7 @@ def all_to_all_volume() -> None:
           f"(T={TOKENS} tokens, h={H}, E={E}, top-{K}, fp32)")
     print(f"{'ep':>3} {'counted':>12} {'analytic':>12} {'ratio':>7} {'left rank':>12} {'balanced':>12} {'ratio':>7}")
     for ep in (2, 4):
-        ctx = mp.get_context("spawn")
-        queue, port = ctx.Queue(), _free_port()
-        procs = [ctx.Process(target=_a2a_rank, args=(r, ep, port, queue)) for r in range(ep)]
-        for proc in procs:
-            proc.start()
-        per_rank = None
-        while per_rank is None:
-            try:
-                per_rank = queue.get(timeout=1.0)
-            except Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    for proc in procs:
-                        proc.kill()
-                    raise SystemExit(f"an ep{ep} rank failed (its traceback is above)")
-        for proc in procs:
-            proc.join()
+        per_rank = _spawn(ep, _a2a_rank)  # benchmarks/context_parallel.py: one gloo rank per process
         counted = statistics.fmean(c for c, _ in per_rank)
         away = statistics.fmean(a for _, a in per_rank)
         analytic = 8 * E + 4 * TOKENS * K * H * 4
