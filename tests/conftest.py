@@ -158,8 +158,11 @@ def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> 
 # instead of each rank importing torch, Lightning and the package anew (seconds per rank on 2
 # cores). The server never runs torch code, so its forks start clean, as spawned ranks would; they
 # get the server's environment, not the test's (no rank test depends on its environment).
+# torch.utils.tensorboard is imported by every run's default logger (with its S3 client, half a
+# second per rank).
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pytorch_lightning", "hydra", "omegaconf",
-                                        "megatron_hydra.training.train", "megatron_hydra.training.worker"])
+                                        "torch.utils.tensorboard", "megatron_hydra.training.train",
+                                        "megatron_hydra.training.worker"])
 
 
 def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:

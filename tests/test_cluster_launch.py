@@ -22,7 +22,10 @@ from megatron_hydra.launcher import ExternalLaunch, check_external_layout, detec
 
 STEPS = 3
 FP64 = [*SMALL, "precision=fp64", f"trainer.max_steps={STEPS}"]
-TP2_PP2_2X2 = ["parallel=tp2_pp2", "trainer.devices=2", "trainer.num_nodes=2"]
+# Two ranks each (a worker process is most of a test's cost): tensor parallelism across two
+# one-rank torchrun nodes, and a pipeline within one two-task SLURM node (local ranks 0 and 1).
+TP2_2X1 = ["parallel=tp2", "trainer.devices=1", "trainer.num_nodes=2"]
+PP2_1X2 = ["parallel=pp2", "trainer.devices=2", "trainer.num_nodes=1"]
 
 
 def _losses(rows):
@@ -76,7 +79,7 @@ def test_slurm_detection_and_rendezvous():
     (ExternalLaunch("torchrun", 0, 0, 4, 4, 0, 1), "runs 4 ranks on node 0 but trainer.devices=2"),
 ])
 def test_rank_layout_mismatch_is_a_config_error(launch, message):
-    cfg = compose_config([*SMALL, *TP2_PP2_2X2])
+    cfg = compose_config([*SMALL, "parallel=tp2_pp2", "trainer.devices=2", "trainer.num_nodes=2"])
     with pytest.raises(ConfigError, match=message):
         check_external_layout(cfg, derive(cfg), launch)
     check_external_layout(cfg, derive(cfg), ExternalLaunch("slurm", 3, 1, 4, 2, 1, 2))  # the matching one
@@ -133,8 +136,8 @@ def test_slurm_launcher_config_maps_the_run_onto_sbatch(tmp_path, monkeypatch):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_two_torchrun_nodes_match_single_process(tmp_path, env_no_launcher, single_losses):
     endpoint = f"127.0.0.1:{free_port()}"
-    args = [*FP64, *TP2_PP2_2X2, f"hydra.run.dir={tmp_path}"]
-    agents = [subprocess.Popen(["torchrun", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+    args = [*FP64, *TP2_2X1, f"hydra.run.dir={tmp_path}"]
+    agents = [subprocess.Popen(["torchrun", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
                                 launch_cmd()[1], *args],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_no_launcher)
@@ -142,7 +145,7 @@ def test_two_torchrun_nodes_match_single_process(tmp_path, env_no_launcher, sing
     outputs = [a.communicate(timeout=240)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     derived = yaml.safe_load((tmp_path / "derived.yaml").read_text())
-    assert (derived["world_size"], derived["tp"], derived["pp"], derived["dp"]) == (4, 2, 2, 1)
+    assert (derived["world_size"], derived["tp"], derived["pp"], derived["dp"]) == (2, 2, 1, 1)
     assert _losses(read_metrics(tmp_path)) == pytest.approx(single_losses, rel=1e-9)
 
 
@@ -170,11 +173,11 @@ def test_simulated_slurm_step_trains_like_one_process(tmp_path, env_no_launcher,
     # validation (its own pipeline schedule) runs at the last step.
     env = {**env_no_launcher, "SUBMITIT_EXECUTOR": "slurm"}
     validation = [f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1"]
-    procs = _start_tasks(4, 2, [*FP64, *TP2_PP2_2X2, *validation], tmp_path / "run", env, tmp_path)
+    procs = _start_tasks(2, 2, [*FP64, *PP2_1X2, *validation], tmp_path / "run", env, tmp_path)
     codes = [p.wait(timeout=240) for p in procs]
-    assert codes == [0] * 4, _logs(tmp_path)
+    assert codes == [0] * 2, _logs(tmp_path)
     derived = yaml.safe_load((tmp_path / "run" / "derived.yaml").read_text())
-    assert (derived["world_size"], derived["tp"], derived["pp"]) == (4, 2, 2)
+    assert (derived["world_size"], derived["tp"], derived["pp"]) == (2, 1, 2)
     rows = read_metrics(tmp_path / "run")
     assert _losses(rows) == pytest.approx(single_losses, rel=1e-9)
     assert "val_loss" in rows[-1]

@@ -28,10 +28,12 @@ def _within_plan(result: D.RankResult, tolerance: float = 0.10) -> None:
     assert abs(ratio - 1) < tolerance, (result.position, result.state_bytes, result.plan_static_bytes)
 
 
+# Full-size layers, ranks and micro-batches; fewer layers per stage than the real models (the plan
+# and the step grow linearly with them, and each costs seconds of fake-tensor work).
 @pytest.mark.parametrize("overrides,rank", [
-    (("model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=128",
+    (("model=gpt_175b", "model.num_layers=32", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=128",
       "data.micro_batch_size=1", "data.global_batch_size=128"), 520),  # a middle stage: 1024 ranks, dp 8
-    (("model=llama3_70b", "parallel=tp8_pp4", "trainer.devices=8", "trainer.num_nodes=8",
+    (("model=llama3_70b", "model.num_layers=8", "parallel=tp8_pp4", "trainer.devices=8", "trainer.num_nodes=8",
       "data.micro_batch_size=1", "data.global_batch_size=8"), 63),  # the last stage, last tp rank: dp 2
 ])
 def test_large_layouts_step_within_plan(overrides, rank):
@@ -56,7 +58,7 @@ def test_default_positions_cover_every_stage_and_tp_class():
 def test_fsdp_steps_on_the_fake_group_within_plan():
     # parallel.data_parallel=fsdp: FSDP2 shards, gathers and reduce-scatters on the fake group; the
     # sharded state after the step is the plan's (planning.fsdp), at dp4.
-    cfg, derived = _cfg("model=gpt_125m", "trainer.devices=4", "data.micro_batch_size=1",
+    cfg, derived = _cfg("model=gpt_125m", "model.num_layers=2", "trainer.devices=4", "data.micro_batch_size=1",
                         "data.global_batch_size=4", "precision=bf16", "parallel.data_parallel=fsdp", "mode=dry_run")
     for result in D.dry_run(cfg, derived, [0, 3]):
         _within_plan(result, tolerance=0.01)

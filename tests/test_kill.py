@@ -101,9 +101,10 @@ def test_second_signal_during_the_save_stops_at_once(tmp_path, env_no_launcher):
 
 
 def test_a_stopped_rank_ends_the_run_within_the_collective_timeout(tmp_path, env_no_launcher):
-    # tp=2 x dp=2: the tensor- and data-parallel groups are subgroups, not the world group.
+    # tp=2: the tensor-parallel collectives run on a subgroup (its own process group, made with
+    # new_group, even though it spans both ranks), not on the world group.
     run_dir = tmp_path / "run"
-    proc = start(run_dir, env_no_launcher, "trainer.devices=4", "parallel=tp2", "trainer.max_steps=100000",
+    proc = start(run_dir, env_no_launcher, "parallel=tp2", "trainer.max_steps=100000",
                  "trainer.collective_timeout_s=5")
     try:
         assert wait_for_step(run_dir, proc, 1)  # training is in its steady state
@@ -124,7 +125,7 @@ def test_a_stopped_rank_ends_the_run_within_the_collective_timeout(tmp_path, env
 
 
 def test_sigkill_of_the_launcher_group_twice_resumes_bitwise(tmp_path, env_no_launcher):
-    max_steps = 30
+    max_steps = 16
     steps = f"trainer.max_steps={max_steps}"
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_training([*RUN, steps], ref_dir)  # uninterrupted: the launch path, with forked workers

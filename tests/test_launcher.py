@@ -46,8 +46,8 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, env_no_launcher):
 
 
 # A failing worker stops the run quickly: test_launcher_trust.py (with stale error files around).
-# launch.py run by torchrun as its workers: test_cluster_launch.py's two torchrun nodes (four
-# workers, exact against one process).
+# launch.py run by torchrun as its workers: test_cluster_launch.py's two torchrun nodes (exact
+# against one process).
 
 
 def test_detects_torchrun_and_slurm_from_environment():
