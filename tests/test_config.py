@@ -7,10 +7,12 @@ import subprocess
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from conftest import CONF, compose_config, launch_cmd
 from megatron_hydra.config import derive
+from megatron_hydra.config.io import from_yaml, to_yaml
 from megatron_hydra.errors import ConfigError
 
 GROUP_OPTIONS = [(group.name, f.stem) for group in sorted(CONF.iterdir()) if group.is_dir()
@@ -21,6 +23,10 @@ GROUP_OPTIONS = [(group.name, f.stem) for group in sorted(CONF.iterdir()) if gro
 def test_every_config_file_composes(group, option):
     cfg = compose_config([f"{group}={option}"])
     assert getattr(cfg, group).name == option
+    # The text workers and checkpoints carry: OmegaConf's own serialisation, and it reads back.
+    text = to_yaml(cfg)
+    assert text == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    assert from_yaml(text, "test") == cfg
 
 
 def test_published_shapes_derive():
