@@ -30,6 +30,7 @@ import time
 from contextlib import nullcontext
 from typing import Dict, Optional
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
@@ -49,6 +50,16 @@ from megatron_hydra.training.memory_peak import peak_memory_bytes, reset_peak_me
 from megatron_hydra.training.precision import DynamicLossScaler
 
 log = logging.getLogger("megatron_hydra")
+# The step metrics shown on the progress bar (all of them go to the loggers).
+PROGRESS_BAR_METRICS = ("loss", "lr", "tokens_per_s", "tflops_per_rank", "mfu")
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` as a tensor of ``dtype`` holds it (what a logged tensor's ``.item()`` gives),
+    computed on the host: no tensor, so nothing that reads like a device sync."""
+    if dtype in (torch.float32, torch.float16):
+        return float(np.dtype(str(dtype).removeprefix("torch.")).type(value))
+    return float(value)
 
 
 def host_sync_step(step: int, cfg: RunConfig) -> bool:
@@ -99,6 +110,7 @@ class LMModule(pl.LightningModule):
         self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
         # Throughput window: when it started (None: at the next step) and the steps it holds.
         self._window_start: Optional[float] = None
+        self.progress_metrics: Dict[str, float] = {}  # the latest logged step's, for the progress bar
         self._window_steps = 0
         # Dense peak TFLOP/s of this rank's device for MFU (``on_train_start``); None: no MFU.
         self.peak_tflops: Optional[float] = None
@@ -203,7 +215,7 @@ class LMModule(pl.LightningModule):
         self._window_steps += 1
         if host_sync_step(step, self.cfg):
             self.guard.verify()  # before anything of a non-finite step is logged
-            self._log_step(loss, lr, strategy.last_grad_norm)
+            self._log_step(step, loss, lr, strategy.last_grad_norm)
 
     def optimizer_step_over(self, batch: Dict[str, torch.Tensor], strategy, optimizer, step: int):
         """Forward, backward and the optimizer step over this rank's share of one global batch.
@@ -253,10 +265,9 @@ class LMModule(pl.LightningModule):
             total += loss.detach()
         return total / len(micro)
 
-    def _log_step(self, loss: torch.Tensor, lr: float, grad_norm: Optional[torch.Tensor]) -> None:
-        """Log this step's metrics. The device values are read in one transfer and logged as host
-        (CPU) tensors: Lightning converts progress-bar values with ``.item()`` at every step's end,
-        and a Python number it would first copy onto the device."""
+    def _log_step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: Optional[torch.Tensor]) -> None:
+        """Log this step's metrics: the device values are read in one transfer, and the numbers go
+        to the loggers directly (``write_step_metrics``)."""
         read = [loss.detach().double().reshape(())]
         if grad_norm is not None:
             read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
@@ -285,11 +296,26 @@ class LMModule(pl.LightningModule):
             metrics["mfu"] = 100.0 * tflops / self.peak_tflops  # percent of the device's dense peak
         if self.loss_scaler is not None:
             metrics.update(loss_scale=self.loss_scaler.scale, skipped_steps=float(self.loss_scaler.skipped_steps))
+        self.write_step_metrics(step, metrics)
+
+    def write_step_metrics(self, step: int, metrics: Dict[str, object]) -> None:
+        """Hand one step's metrics (``name: value`` or ``name: (value, dtype)``; the default dtype
+        otherwise) to every logger, as Lightning's own logging would at this step: the value
+        rounded to its dtype, the epoch added, rank 0 only, on the steps of
+        ``trainer.log_every_n_steps`` (and a stopping step). ``self.log`` would cost a few
+        milliseconds per metric on the host (Lightning moves its whole result record on every
+        call), longer than a small model's step. The progress bar reads ``progress_metrics``."""
+        values = {}
         for name, value in metrics.items():
             value, dtype = value if isinstance(value, tuple) else (value, torch.get_default_dtype())
-            self.log(name, torch.tensor(value, dtype=dtype),
-                     prog_bar=name in ("loss", "lr", "tokens_per_s", "tflops_per_rank", "mfu"),
-                     on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+            values[name] = _rounded(value, dtype)
+        self.progress_metrics = {k: v for k, v in values.items() if k in PROGRESS_BAR_METRICS}
+        trainer = self.trainer
+        if trainer.global_rank != 0 or not ((step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop):
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({**values, "epoch": trainer.current_epoch}, step=step)
+            logger.save()
 
     def _peak_memory(self, device) -> list:
         """The largest peak memory of any rank since the previous logging step (see

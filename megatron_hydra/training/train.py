@@ -97,9 +97,12 @@ def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consu
 
 
 class _ProgressBar(TQDMProgressBar):
+    """Lightning's bar with the module's latest step metrics (``LMModule.write_step_metrics``)."""
+
     def get_metrics(self, trainer, pl_module):
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
+        items.update(getattr(pl_module, "progress_metrics", {}))
         return items
 
 
