@@ -153,12 +153,15 @@ def test_failing_worker_stops_the_run_quickly_and_stale_error_files_are_not_blam
     run_dir.mkdir()
     for rank in (0, 1, 3):  # left by an earlier 4-rank run in this directory
         (run_dir / f"rank{rank}.error").write_text("ValueError: EARLIER-RUN-MARKER\n")
-    start = time.monotonic()
     out = _run(launch_cmd("trainer.devices=2", *SMALL, f"hydra.run.dir={run_dir}"),
-               dict(env_no_launcher, PYTHONPATH=str(inject)), timeout=120)
-    elapsed = time.monotonic() - start
+               dict(env_no_launcher, PYTHONPATH=str(inject)), timeout=180)
+    ended = time.time()
     assert out.returncode == 1
-    assert elapsed < 60, elapsed
+    # From rank 1's failure to the launcher's exit: the 5 s grace for the other ranks' reports and
+    # the agent's shutdown, not the 30 s the agent would wait, nor the collective timeout (start-up
+    # is left out: it is most of the time, and it varies with the machine's load).
+    after_failure = ended - (run_dir / "rank1.error").stat().st_mtime
+    assert after_failure < 25, after_failure
     assert "rank 1 failed: RuntimeError: injected failure" in out.stderr
     assert (run_dir / "rank1.error").exists() and "injected failure" in (run_dir / "rank1.error").read_text()
     assert "EARLIER-RUN-MARKER" not in out.stderr and not (run_dir / "rank3.error").exists()
