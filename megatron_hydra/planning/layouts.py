@@ -179,19 +179,30 @@ def memory_peak(cfg: RunConfig, derived: Derived) -> Tuple[bool, int]:
 
 def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options(), constants: Constants = CALIBRATED,
                  memory: Callable[[RunConfig, Derived], Tuple[bool, int]] = memory_peak) -> List[Candidate]:
-    """Every valid layout that fits memory, fastest first."""
-    found = []
+    """Every valid layout that fits memory, fastest first. Where no layout derives at all, the
+    config itself is wrong (e.g. BERT without its data): the error of the plainest layout (data
+    parallel only), else of the first, in one line."""
+    found, refused, derived_any = [], None, False
     for layout in layouts(cfg, cluster, opts):
         run_cfg = layout_config(cfg, cluster, layout)
         try:
             derived = derive(run_cfg)
-        except ConfigError:
+        except ConfigError as e:
+            refused = refused or e
             continue
+        derived_any = True
         fits, peak = memory(run_cfg, derived)
         if not fits:
             continue
         step = estimate(derived.transformer, cfg.data.global_batch_size, layout, cluster, constants)
         found.append(Candidate(layout, step, peak, overrides(layout)))
+    if not derived_any and refused is not None:
+        plainest = Layout(tp=1, pp=1, dp=cluster.gpus_per_node * cluster.num_nodes, micro_batch=1)
+        try:
+            derive(layout_config(cfg, cluster, plainest))
+        except ConfigError as e:  # what no layout changes, if the plainest one is refused too
+            refused = e
+        raise ConfigError(f"no layout of {cluster.name} derives for this config: {refused}")
     found.sort(key=lambda c: c.step.total)
     return found
 
