@@ -100,6 +100,12 @@ project):
   matmul ``G``. Forward (and recomputed forward) pairs are pipelined in ``t`` chunks, exposing
   ``T/t + (t-1)/t * max(0, T - G)``; backward pairs are bulk-overlapped with the ``2 G`` of the
   backward matmuls, exposing ``max(0, T - 2 G)``.
+* ``pp_comm_overlap`` (Megatron-Core's ``overlap_p2p_comm``, which NeMo's and Megatron-Bridge's
+  recipes turn on whenever the schedule is interleaved, ``v > 1``; this project's pipeline leaves
+  it off): in the steady state each chunk's send and receive run while the GPU computes its next
+  chunk, exposing ``max(0, T_p2p - F_v)`` per forward message and ``max(0, T_p2p - B_v)`` per
+  backward one (``F_v``, ``B_v`` one chunk's forward and backward of a micro-batch); the
+  ``2 (p-1)`` messages of the warm-up and cool-down stay exposed.
 * DP overlap per virtual chunk (``overlap_grad_reduce``): a chunk's gradients are reduced once its
   last micro-batch's backward is done. With ``v`` chunks of backward time ``B_v = B / v`` each
   (``B`` the backward of one micro-batch through the GPU's layers), the last chunk's reduction
@@ -159,10 +165,10 @@ FP8_PEAK_RATIO = {"H100-SXM5-80GB": 2.0, "H200-SXM-141GB": 2.0, "B200-SXM-180GB"
 # The shipped constants: SC21's eta and kappa (the A100 and the fallback), the Hopper/Blackwell eta
 # and the FP8 efficiency fitted on the fitting rows of ``planning.calibration`` (its ``fit``; the
 # B200 has no published row in the fit and takes the H100's value).
-_HOPPER_ETA = 0.6067
+_HOPPER_ETA = 0.6
 CALIBRATED = replace(SC21_FIT, gpu_eta=(("H100-SXM5-80GB", _HOPPER_ETA), ("H200-SXM-141GB", _HOPPER_ETA),
-                                        ("B200-SXM-180GB", _HOPPER_ETA)), fp8_efficiency=0.8067,
-                     attention_efficiency=0.3767)
+                                        ("B200-SXM-180GB", _HOPPER_ETA)), fp8_efficiency=0.7633,
+                     attention_efficiency=0.43)
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,7 @@ class Layout:
     fused_kernels: bool = False  # model.transformer_impl=transformer_engine
     fp8: bool = False  # precision.fp8
     tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
+    pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
 
 
 @dataclass(frozen=True)
@@ -369,6 +376,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         link = cluster.ib_gb_per_s if t * cp * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
         p2p = _ring_time(tokens_mb * h * ACT_BYTES / t, link, c)
         pp_comm = (2 * v * m + 2 * (p - 1)) * p2p
+        if lay.pp_comm_overlap and v > 1:  # steady-state transfers behind the next chunk's compute
+            chunk_fwd, chunk_bwd = per_gpu(lambda x: x.fwd) / v, per_gpu(lambda x: 2 * x.fwd + x.extra) / v
+            pp_comm = v * m * (max(0.0, p2p - chunk_fwd) + max(0.0, p2p - chunk_bwd)) + 2 * (p - 1) * p2p
     else:
         pp_comm = 0.0
     tp_comm = (m + (p - 1) / v) * tp_stage
