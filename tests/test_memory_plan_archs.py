@@ -75,7 +75,7 @@ DRY = ["trainer=gpu", "trainer.devices=1", "data.micro_batch_size=1", "data.glob
        "model.hidden_size=512", "model.num_attention_heads=8", "model.ffn_hidden_size=2048", "model.seq_length=512",
        "model.max_position_embeddings=512", "model.vocab_size=256"]
 
-NO_DROPOUT = ("model.hidden_dropout=0", "model.attention_dropout=0")
+NO_ATTENTION_DROPOUT = ("model.attention_dropout=0",)
 
 
 def _dry(arch: str, layers: int, *overrides):
@@ -90,10 +90,11 @@ def _dry(arch: str, layers: int, *overrides):
 
 @pytest.mark.parametrize("arch,overrides", [
     ("bert", ()),  # post-LN, padding mask, hidden and attention dropout, the binary head
-    # recompute without dropout (as GPT's): a replay on the fake GPU cannot restore a CUDA RNG state
-    ("bert", ("parallel=tp2", "trainer.devices=2", "recompute.granularity=selective", *NO_DROPOUT)),
+    # recompute without attention dropout: replaying it aborts on the stand-in GPU
+    ("bert", ("parallel=tp2", "trainer.devices=2", "recompute.granularity=selective", *NO_ATTENTION_DROPOUT)),
     ("t5", ()),  # an encoder layer and a decoder layer (cross-attention, ReLU) per step of depth
-    ("t5", ("parallel=tp2", "trainer.devices=2", "model.activation=geglu", "recompute.granularity=full", *NO_DROPOUT)),
+    ("t5", ("parallel=tp2", "trainer.devices=2", "model.activation=geglu", "recompute.granularity=full",
+            *NO_ATTENTION_DROPOUT)),
 ], ids=["bert", "bert_tp2_selective", "t5", "t5_tp2_geglu_full_recompute"])
 def test_activations_match_the_dry_run(arch, overrides):
     """One more layer (T5: one more encoder and one more decoder layer) adds to the step's peak

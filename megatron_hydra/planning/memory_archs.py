@@ -51,9 +51,6 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 
-PLANNED_ARCHS = ("gpt", "bert", "t5")  # every model.arch (models.archs.ARCHS)
-
-
 @dataclass(frozen=True)
 class Stack:
     """Layers of one kind in a model chunk and what one of them keeps per micro-batch: without

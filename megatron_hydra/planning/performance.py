@@ -77,6 +77,17 @@ Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of 
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
 are fixed, not fitted.
 
+Model families (``layer_stacks``): the terms above are per layer of a stack of identical layers
+over ``s`` tokens. GPT and BERT have one (BERT's bidirectional attention computes all its score
+blocks). T5 has two, its pipeline one stage: the encoder over its ``s`` tokens, and the decoder
+over ``t = decoder_seq_length`` tokens, each decoder layer a GPT layer at ``t`` plus its
+cross-attention: query and output projections per decoder token, the key/value projection of the
+``s`` encoder tokens, ``4 s a k`` more attention FLOPs per decoder token (scores and values over
+the encoder's keys), a third norm and dropout-add (``c_h`` scaled by 3/2), and a third
+tensor-parallel all-reduce each way plus, in the backward, one over the ``s`` encoder tokens (the
+encoder output's gradient). The LM head and its loss run over ``t`` tokens. Model FLOPs equal
+``planning.flops``' count for every family.
+
 Modern runs (each a switch on ``Layout``; off, they are the 2021 software above, which
 ``planning.sc21`` evaluates; ``flash_attention`` is on by default, as in every GPU run of this
 project):
