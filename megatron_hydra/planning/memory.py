@@ -2,8 +2,8 @@
 "does not fit" check. Nothing here allocates memory or needs a process group.
 
 Parameters (exact). Each pipeline rank's model chunks are built on the meta device at tp=1 from the
-run's ``TransformerConfig`` with the model class of its family (``planning.memory_archs``: GPT,
-BERT, T5) (whose padded vocabulary already belongs to the run's tp). A parameter
+run's ``TransformerConfig`` (whose padded vocabulary already belongs to the run's tp), with the
+model class of its family (GPT, BERT, T5: ``planning.memory_archs``). A parameter
 tagged with a ``tp_partition_dim`` holds 1/tp of its logical tensor on every TP rank (the parallel
 layers shard evenly, which ``models.init`` relies on too); the others are whole on every TP rank.
 TP ranks are therefore symmetric, and so are DP ranks: the plan has one row per pipeline rank,
@@ -78,8 +78,8 @@ one layer's attention at a time): p2p 4 K/V blocks of 2 b (s/c)(g/t) d v bytes; 
 b (a/(t c)) s d v bytes.
 
 Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own terms, T5's
-encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage keeps the token ids
-(8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
+encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
+keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
 (max(4, v) sbV/t, fp32 for 16-bit logits) with its targets (8 sb).
 
@@ -231,7 +231,8 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
     return dict(seq=tc.seq_length, micro_batch=cfg.data.micro_batch_size, hidden=tc.hidden_size,
                 heads=tc.num_attention_heads, tp=derived.tp, sequence_parallel=tc.sequence_parallel,
                 ffn_hidden=tc.ffn_hidden_size, query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
-                gated=tc.activation in GATED_ACTIVATIONS, relu=tc.activation == "relu", value_bytes=v, mask_bytes=1 if gpu else v,
+                gated=tc.activation in GATED_ACTIVATIONS, relu=tc.activation == "relu", value_bytes=v,
+                mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
                 rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type,

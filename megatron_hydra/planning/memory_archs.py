@@ -101,7 +101,8 @@ def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: 
 
 
 def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[Stack]:
-    """The stacks of a chunk of ``num_layers`` layers (T5: its encoder and its decoder)."""
+    """The stacks of a chunk of ``num_layers`` layers, in the order they run (T5, one chunk: its
+    ``num_layers`` encoder layers, then all ``num_decoder_layers`` decoder layers)."""
     from megatron_hydra.planning.memory import activation_bytes_per_layer
 
     def stack(n: int, shape: dict, extra=lambda **kw: 0.0) -> Stack:
