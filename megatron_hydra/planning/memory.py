@@ -555,7 +555,8 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
             f"{f' (vpp {derived.vpp})' if derived.vpp > 1 else ''} x dp {derived.dp}"
             f"{f' x cp {derived.cp} ({cfg.parallel.cp_comm_type})' if derived.cp > 1 else ''}"
             f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
-            f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
+            f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}"
+            f"{f' (decoder {derived.transformer.decoder_seq_length})' if derived.transformer.arch == 't5' else ''}, "
             f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "
             + ("FSDP" if cfg.parallel.data_parallel == "fsdp" else
                f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}"))
