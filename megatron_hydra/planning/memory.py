@@ -124,9 +124,9 @@ from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning import context_parallel
-from megatron_hydra.planning.memory_archs import Stack, chunk_parameters, loss_tokens, outside_layers, stacks
+from megatron_hydra.planning.memory_archs import StackBytes, chunk_parameters, outside_layers, stacks
 from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, HALF, shape_only, state_bytes
-from megatron_hydra.planning.flops import model_flops_per_step
+from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step
 
 GIB = 2**30
 # A GPU config planned on a machine without one: the memory of an 80 GB A100/H100.
@@ -253,7 +253,7 @@ def head_bytes(tc: TransformerConfig, shape: dict, tokens: float, tp: int) -> fl
     return v * tokens * b * h * r + v * tokens * b * h + max(4, v) * tokens * b * tc.padded_vocab_size / tp + 8 * tokens * b
 
 
-def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[Stack]) -> Tuple[float, float]:
+def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[StackBytes]) -> Tuple[float, float]:
     """(bytes a micro-batch leaves in a chunk of these stacks, extra bytes of a backward replay).
     Stacks run in the given order, so the backward replays stack k after the later stacks have
     freed theirs: the peak is the largest (stacks up to k + a region of k); the extra is that

@@ -52,7 +52,7 @@ from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 
 @dataclass(frozen=True)
-class Stack:
+class StackBytes:
     """Layers of one kind in a model chunk and what one of them keeps per micro-batch: without
     recompute, with selective recompute, and as a fully checkpointed region's input."""
 
@@ -77,11 +77,6 @@ def chunk_parameters(tcfg: TransformerConfig, num_layers: int, pre: bool, post: 
     return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
 
 
-def loss_tokens(tc: TransformerConfig) -> int:
-    """Tokens per sample the head and the loss run over: T5's decoder tokens, else the sequence."""
-    return tc.decoder_seq_length if tc.arch == "t5" else tc.seq_length
-
-
 def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                           query_groups: int, kv_channels: int, value_bytes: int, mask_bytes: int,
                           hidden_dropout: bool, attention_dropout: bool, attention: str, recompute=None,
@@ -100,14 +95,14 @@ def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: 
     return total + a * t * s * b * (2 * v + mask_bytes if attention_dropout else v) / tp
 
 
-def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[Stack]:
+def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[StackBytes]:
     """The stacks of a chunk of ``num_layers`` layers, in the order they run (T5, one chunk: its
     ``num_layers`` encoder layers, then all ``num_decoder_layers`` decoder layers)."""
     from megatron_hydra.planning.memory import activation_bytes_per_layer
 
-    def stack(n: int, shape: dict, extra=lambda **kw: 0.0) -> Stack:
-        return Stack(n, *(activation_bytes_per_layer(**{**shape, "recompute": rc}) + extra(**{**shape, "recompute": rc})
-                          for rc in (None, "selective", "full")))
+    def stack(n: int, shape: dict, extra=lambda **kw: 0.0) -> StackBytes:
+        return StackBytes(n, *(activation_bytes_per_layer(**{**shape, "recompute": rc})
+                               + extra(**{**shape, "recompute": rc}) for rc in (None, "selective", "full")))
 
     if tc.arch != "t5":
         return [stack(num_layers, layer)]

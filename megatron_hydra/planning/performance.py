@@ -145,6 +145,7 @@ from typing import Optional, Tuple
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
+from megatron_hydra.planning.flops import loss_tokens
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -268,7 +269,7 @@ def _projection_flops_per_token(tc: TransformerConfig) -> tuple:
 
 
 @dataclass(frozen=True)
-class Stack:
+class LayerStack:
     """Layers of one kind that every sample runs through (module docstring, "Model families"):
     per layer and per token of the stack, the forward FLOPs of its projections and of its
     attention matmuls, its residual branches (each a norm and a dropout-add), the tokens per
@@ -284,7 +285,7 @@ class Stack:
     params: float  # per layer, dense (MoE experts: ``_params_per_gpu``)
 
 
-def layer_stacks(tc: TransformerConfig) -> Tuple[Stack, ...]:
+def layer_stacks(tc: TransformerConfig) -> Tuple[LayerStack, ...]:
     """GPT and BERT: one stack over the sequence. T5: its encoder over the ``s`` encoder tokens and
     its decoder over the ``t`` decoder tokens, whose cross-attention adds per layer a query and an
     output projection per decoder token, the key/value projection of the ``s`` encoder tokens,
@@ -296,19 +297,14 @@ def layer_stacks(tc: TransformerConfig) -> Tuple[Stack, ...]:
     if moe is not None:
         params += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
     s = tc.seq_length
-    own = Stack(tc.num_layers, s, _projection_flops_per_token(tc), float(4 * s * a * k), 2, (s, s), (s, s), params)
+    own = LayerStack(tc.num_layers, s, _projection_flops_per_token(tc), float(4 * s * a * k), 2, (s, s), (s, s), params)
     if tc.arch != "t5":
         return (own,)
     t = tc.decoder_seq_length
-    cross = (2.0 * h * a * k, 2.0 * a * k * h, 2.0 * h * 2 * g * k * s / t)  # query, output, keys/values per decoder token
-    decoder = Stack(tc.num_decoder_layers, t, own.projections + cross, float(4 * (t + s) * a * k), 3, (t, t, t),
-                    (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k)
+    cross = (2.0 * h * a * k, 2.0 * a * k * h, 2.0 * h * 2 * g * k * s / t)  # per decoder token: query, output, K/V
+    decoder = LayerStack(tc.num_decoder_layers, t, own.projections + cross, float(4 * (t + s) * a * k), 3, (t, t, t),
+                         (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k)
     return own, decoder
-
-
-def loss_tokens(tc: TransformerConfig) -> int:
-    """Tokens per sample the LM head and the loss run over: T5's decoder tokens, else the sequence."""
-    return tc.decoder_seq_length if tc.arch == "t5" else tc.seq_length
 
 
 def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
@@ -439,7 +435,7 @@ class _LayerSeconds:
     tp: float  # its exposed tensor-parallel collectives
 
 
-def _stack_seconds(tc: TransformerConfig, st: Stack, lay: Layout, cluster: ClusterConfig, c: Constants,
+def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: ClusterConfig, c: Constants,
                    peak: float, linear_peak: float, hbm: float) -> _LayerSeconds:
     """One layer of ``st``: forward matmul and memory-bound seconds, recompute, TP collectives."""
     t = lay.tp
@@ -469,7 +465,7 @@ def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
 
 
 def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
-                     projections: list, stack: Optional[Stack] = None) -> float:
+                     projections: list, stack: Optional[LayerStack] = None) -> float:
     """Exposed seconds of one layer's tensor-parallel collectives per micro-batch on one GPU;
     ``projections`` are the forward seconds of the layer's matmuls (QKV, output, MLP in, MLP out),
     ``stack`` the layer's kind (default: GPT's layers). The communication overlap pairs those four
