@@ -24,7 +24,10 @@ named in the row's note or here):
 Assumptions where the sources are silent: micro-batch 1 and 8 virtual stages per GPU for Llama 3
 (Table 4 gives neither; it uses interleaved 1F1B), no activation recompute in NVIDIA's runs (their
 recipes' default on H100), TE's userbuffer overlap in NVIDIA's runs with tp > 1 and not in Meta's
-(not stated), the distributed optimizer with overlapped gradient reduction and parameter gather,
+(not stated), pipeline send/receive overlapped with compute in NVIDIA's interleaved runs (NeMo's and
+Megatron-Bridge's communication-overlap setup sets ``overlap_p2p_comm`` whenever the virtual
+pipeline size exceeds 1) and not in Meta's (not stated), the distributed optimizer with overlapped
+gradient reduction and parameter gather,
 sequence parallelism at tp > 1, flash attention everywhere, TE's fused kernels in NVIDIA's and
 Meta's runs, not in torchtitan's (no torch.compile in that table).
 """
@@ -84,6 +87,7 @@ class Row:
     fsdp: bool = False
     recompute: Optional[str] = None
     tp_comm_overlap: bool = True  # effective only at tp > 1
+    pp_comm_overlap: bool = True  # overlap_p2p_comm, effective only with virtual stages
     fused_kernels: bool = True
     note: str = ""
 
@@ -96,7 +100,8 @@ class Row:
                       recompute=self.recompute, sequence_parallel=self.tp > 1,
                       distributed_optimizer=not self.fsdp and self.dp * self.cp > 1, overlap_grad_reduce=True,
                       fsdp=self.fsdp, cp=self.cp, flash_attention=True, fused_kernels=self.fused_kernels,
-                      fp8=self.fp8, tp_comm_overlap=self.tp_comm_overlap and self.tp > 1)
+                      fp8=self.fp8, tp_comm_overlap=self.tp_comm_overlap and self.tp > 1,
+                      pp_comm_overlap=self.pp_comm_overlap and self.vpp > 1)
 
     def transformer(self) -> TransformerConfig:
         layers, h, heads, groups, ffn, vocab, act = MODELS[self.model]
@@ -135,11 +140,11 @@ ROWS: List[Row] = [
     _nemo("Llama3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1533),
     # The Llama 3 paper, Table 4, H100, BF16: the 8K-token rows fit, the 128K-token row is held out.
     Row("llama3", "H100", "Llama3-405B", 8192, 8192, 2048, 8, 16, 1, 8, 1, MODEL_TFLOPS, 430, False,
-        tp_comm_overlap=False, note="16M tokens per batch; micro-batch and virtual stages assumed"),
+        tp_comm_overlap=False, pp_comm_overlap=False, note="16M tokens per batch; micro-batch and virtual stages assumed"),
     Row("llama3", "H100", "Llama3-405B", 16384, 8192, 2048, 8, 16, 1, 8, 1, MODEL_TFLOPS, 400, False,
-        tp_comm_overlap=False, note="16M tokens per batch; micro-batch and virtual stages assumed"),
+        tp_comm_overlap=False, pp_comm_overlap=False, note="16M tokens per batch; micro-batch and virtual stages assumed"),
     Row("llama3", "H100", "Llama3-405B", 16384, 131072, 128, 8, 16, 16, 8, 1, MODEL_TFLOPS, 380, True,
-        tp_comm_overlap=False, note="CP16 at 128K tokens; the paper's attention FLOP count is not stated"),
+        tp_comm_overlap=False, pp_comm_overlap=False, note="CP16 at 128K tokens; the paper's attention FLOP count is not stated"),
     # Megatron-Bridge 25.11, FP8 current scaling (held out: a later software stack, and the B200).
     _bridge("H100", "Llama3-8B", 8, 128, 1, 8192, 1, 1, 1, 1, 14451, fsdp=True),
     _bridge("H100", "Llama3-70B", 64, 128, 1, 8192, 4, 8, 1, 5, 1602),

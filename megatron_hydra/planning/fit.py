@@ -24,7 +24,7 @@ from megatron_hydra.config.derive import Derived, derive
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning.context_parallel import LONG_SEQUENCE
-from megatron_hydra.planning.memory import GIB, PLANNED_ARCHS, MemoryPlan, plan_memory
+from megatron_hydra.planning.memory import GIB, MemoryPlan, plan_memory
 
 
 def _set(key: str, value) -> Callable[[RunConfig], None]:
@@ -82,8 +82,6 @@ def fixes(cfg: RunConfig, derived: Derived, plan: MemoryPlan) -> List[str]:
 
 def check_fits(cfg: RunConfig, derived: Derived) -> None:
     """Raise a one-line ConfigError when the run's memory plan exceeds a device."""
-    if cfg.model.arch not in PLANNED_ARCHS:
-        return
     plan = plan_memory(cfg, derived)
     if plan.fits:
         return

@@ -43,6 +43,11 @@ def t5_flops_per_sample(cfg: TransformerConfig) -> float:
     return 3.0 * (encoder + decoder + 2 * h * cfg.padded_vocab_size * t)
 
 
+def loss_tokens(cfg: TransformerConfig) -> int:
+    """Tokens per sample the LM head and the loss run over: T5's decoder tokens, else the sequence."""
+    return cfg.decoder_seq_length if cfg.arch == "t5" else cfg.seq_length
+
+
 def model_flops_per_step(cfg: TransformerConfig, global_batch_size: int) -> float:
     """BERT counts as GPT (its masked-LM head's extra dense layer is under 1% at published shapes)."""
     if cfg.arch == "t5":

@@ -11,8 +11,9 @@ GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: e
 (``expert_tensor_parallel_size=1``) every ``ep`` dividing the experts and dp x tp. A layout is kept only if ``derive`` accepts it and the memory plan
 (``planning.memory.plan_memory``, the same plan ``mode=plan`` prints) fits the GPU; the survivors
 are ranked by the step time of ``planning.performance`` and the best are printed with their MFU
-(model FLOPs over the GPU's dense bf16 peak) and the command that runs each. The memory plan covers
-the GPT family (GPT, Llama, MoE); other archs are refused in one line.
+(model FLOPs over the GPU's dense bf16 peak) and the command that runs each. Every model family is
+planned (GPT, Llama, MoE, BERT, T5); the layouts a family cannot run (BERT and T5: no sequence or
+context parallelism, T5 no pipeline stages, no FSDP: ``config.derive``) never derive.
 """
 
 from __future__ import annotations
@@ -178,19 +179,30 @@ def memory_peak(cfg: RunConfig, derived: Derived) -> Tuple[bool, int]:
 
 def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options(), constants: Constants = CALIBRATED,
                  memory: Callable[[RunConfig, Derived], Tuple[bool, int]] = memory_peak) -> List[Candidate]:
-    """Every valid layout that fits memory, fastest first."""
-    found = []
+    """Every valid layout that fits memory, fastest first. Where no layout derives at all, the
+    config itself is wrong (e.g. BERT without its data): the error of the plainest layout (data
+    parallel only), else of the first, in one line."""
+    found, refused, derived_any = [], None, False
     for layout in layouts(cfg, cluster, opts):
         run_cfg = layout_config(cfg, cluster, layout)
         try:
             derived = derive(run_cfg)
-        except ConfigError:
+        except ConfigError as e:
+            refused = refused or e
             continue
+        derived_any = True
         fits, peak = memory(run_cfg, derived)
         if not fits:
             continue
         step = estimate(derived.transformer, cfg.data.global_batch_size, layout, cluster, constants)
         found.append(Candidate(layout, step, peak, overrides(layout)))
+    if not derived_any and refused is not None:
+        plainest = Layout(tp=1, pp=1, dp=cluster.gpus_per_node * cluster.num_nodes, micro_batch=1)
+        try:
+            derive(layout_config(cfg, cluster, plainest))
+        except ConfigError as e:  # what no layout changes, if the plainest one is refused too
+            refused = e
+        raise ConfigError(f"no layout of {cluster.name} derives for this config: {refused}")
     found.sort(key=lambda c: c.step.total)
     return found
 
@@ -252,13 +264,13 @@ def report(cfg: RunConfig, cluster: ClusterConfig, found: List[Candidate], base:
 
 def base_overrides(cfg: RunConfig) -> List[str]:
     """The user's command-line overrides that describe the model and data (the layout keys, mode
-    and cluster are the planner's); outside Hydra, the model's config name."""
+    and cluster are the planner's); outside Hydra, the model's and the data's config names."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         task = list(HydraConfig.get().overrides.task)
     except ValueError:
-        return [f"model={cfg.model.name}"]
+        return [f"model={cfg.model.name}", *([f"data={cfg.data.name}"] * bundled.has_option("data", cfg.data.name))]
     planned = ("mode=", "cluster=", "cluster.", "parallel", "trainer", "precision", "recompute.", "hydra",
                "data.micro_batch_size=", "optim.distributed_optimizer=")
     return [o for o in task if not o.lstrip("+~").startswith(planned)]
@@ -266,14 +278,8 @@ def base_overrides(cfg: RunConfig) -> List[str]:
 
 def run_planner(cfg: RunConfig, top: int = 5) -> List[Candidate]:
     """``mode=plan_layouts``: print the best layouts for ``cfg.cluster``."""
-    from megatron_hydra.planning.memory import PLANNED_ARCHS
-
     if cfg.cluster is None:
         raise ConfigError("mode=plan_layouts needs a cluster: add cluster=<name> (one of conf/cluster/*.yaml)")
-    if cfg.model.arch not in PLANNED_ARCHS:
-        raise ConfigError(f"mode=plan_layouts keeps only layouts whose memory plan fits, and the plan covers model.arch "
-                          f"in {', '.join(PLANNED_ARCHS)} (GPT, Llama, MoE), not {cfg.model.arch!r}: choose its "
-                          "parallel.* layout by hand")
     found = plan_layouts(cfg, cfg.cluster)
     print(report(cfg, cfg.cluster, found, base_overrides(cfg), top))
     return found

@@ -2,7 +2,8 @@
 "does not fit" check. Nothing here allocates memory or needs a process group.
 
 Parameters (exact). Each pipeline rank's model chunks are built on the meta device at tp=1 from the
-run's ``TransformerConfig`` (whose padded vocabulary already belongs to the run's tp). A parameter
+run's ``TransformerConfig`` (whose padded vocabulary already belongs to the run's tp), with the
+model class of its family (GPT, BERT, T5: ``planning.memory_archs``). A parameter
 tagged with a ``tp_partition_dim`` holds 1/tp of its logical tensor on every TP rank (the parallel
 layers shard evenly, which ``models.init`` relies on too); the others are whole on every TP rank.
 TP ranks are therefore symmetric, and so are DP ranks: the plan has one row per pipeline rank,
@@ -46,7 +47,8 @@ size, f ffn size):
     hidden-dropout masks (2)       2 m sbh r      (0 without hidden dropout)
     Q, K, V                        v sb (a + 2g) d / t
     attention-projection input     v sb a d / t
-    MLP                            v sb f x 2 / t (gated: x 4: gate, act(gate), up, product)
+    MLP                            v sb f x 2 / t (gated: x 4: gate, act(gate), up, product;
+                                   ReLU: x 1, its output is both what it saves and fc2's input)
     rotary (RoPE) Q and K          v sb (a + g) d / t (rotated copies; the unrotated QKV output stays
                                    alive as V's base; measured by the dry run)
     core attention, unfused        a s^2 b (2v + m) / t   (v without attention dropout)
@@ -75,8 +77,9 @@ does not replay context-parallel attention, so at c > 1 it keeps the fused term.
 one layer's attention at a time): p2p 4 K/V blocks of 2 b (s/c)(g/t) d v bytes; a2a 4 tensors of
 b (a/(t c)) s d v bytes.
 
-Outside the layers (Korthikanti's and Megatron's accounting): the first stage keeps the token ids
-(8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
+Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own terms, T5's
+encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
+keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
 (max(4, v) sbV/t, fp32 for 16-bit logits) with its targets (8 sb).
 
@@ -109,7 +112,6 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import torch
@@ -122,11 +124,11 @@ from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning import context_parallel
+from megatron_hydra.planning.memory_archs import StackBytes, chunk_parameters, outside_layers, stacks
 from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, HALF, shape_only, state_bytes
-from megatron_hydra.planning.flops import model_flops_per_step
+from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step
 
 GIB = 2**30
-PLANNED_ARCHS = ("gpt",)  # the models whose chunks the plan builds (GPTModel)
 # A GPU config planned on a machine without one: the memory of an 80 GB A100/H100.
 ASSUMED_GPU_MEMORY_GB = 80.0
 
@@ -168,20 +170,10 @@ def flat_buffer(numels: List[int], bucket_size: int, dp: int, distributed_optimi
 
 # Parameters ---------------------------------------------------------------------------------------
 
-@lru_cache(maxsize=None)
-def _chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> Tuple[Tuple[int, bool], ...]:
-    from megatron_hydra.models.gpt import GPTModel
-    from megatron_hydra.parallel.state import ParallelState
-
-    model = GPTModel(tcfg, ParallelState.single(), layers=range(num_layers), pre_process=pre,
-                     post_process=post, device="meta")
-    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
-
-
 def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int) -> List[int]:
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
     layers, in the model's parameter order (a dense model; ``planning.moe`` for experts)."""
-    return [n // tp if sharded else n for n, sharded in _chunk_numels(shape_only(tcfg), num_layers, pre, post)]
+    return [n // tp if sharded else n for n, sharded in chunk_parameters(shape_only(tcfg), num_layers, pre, post)]
 
 
 def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:
@@ -198,7 +190,7 @@ def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[in
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: Optional[str] = None,
                                ffn_hidden: Optional[int] = None, query_groups: Optional[int] = None,
-                               kv_channels: Optional[int] = None, gated: bool = False,
+                               kv_channels: Optional[int] = None, gated: bool = False, relu: bool = False,
                                value_bytes: int = 2, mask_bytes: int = 1, hidden_dropout: bool = True,
                                attention_dropout: bool = True, attention: str = "unfused",
                                sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1,
@@ -219,7 +211,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     d = h // a if kv_channels is None else kv_channels
     inputs_r = 1.0 if sequence_parallel and sp_gathered_inputs else r
     total = 2 * v * qbh * r + 2 * v * qbh * inputs_r + (2 * mask_bytes * qbh * r if hidden_dropout else 0)
-    total += v * q * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 2)) / t
+    total += v * q * b * ((a + 2 * g) * d + a * d + f * (4 if gated else 1 if relu else 2)) / t
     if rotary:  # the rotated Q and K are new tensors; V, a view of the QKV output, keeps all of it alive
         total += v * q * b * (a + g) * d / t
     total += context_parallel.layer_extra_bytes(cp, cp_comm, rotary, tokens=q * b, heads=a, kv_channels=d, tp=t, value_bytes=v)
@@ -239,35 +231,47 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
     return dict(seq=tc.seq_length, micro_batch=cfg.data.micro_batch_size, hidden=tc.hidden_size,
                 heads=tc.num_attention_heads, tp=derived.tp, sequence_parallel=tc.sequence_parallel,
                 ffn_hidden=tc.ffn_hidden_size, query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
-                gated=tc.activation in GATED_ACTIVATIONS, value_bytes=v, mask_bytes=1 if gpu else v,
+                gated=tc.activation in GATED_ACTIVATIONS, relu=tc.activation == "relu", value_bytes=v,
+                mask_bytes=1 if gpu else v,
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
                 rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type,
                 document_mask=cfg.data.reset_attention_mask or cfg.data.name == "sft")
 
 
-def _outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:
-    """Bytes per micro-batch kept by the embedding (first stage) and by the head + loss (last)."""
-    tc = derived.transformer
-    s, b, h, v, t = shape["seq"] / derived.cp, shape["micro_batch"], shape["hidden"], shape["value_bytes"], derived.tp
-    r = 1.0 / t if tc.sequence_parallel else 1.0
-    embedding = 8 * s * b + (shape["mask_bytes"] * s * b * h * r if tc.hidden_dropout > 0 else 0)
-    head = v * s * b * h * r + v * s * b * h + max(4, v) * s * b * tc.padded_vocab_size / t + 8 * s * b
-    return embedding, head
+def embedding_bytes(tc: TransformerConfig, shape: dict, tokens: float, tp: int) -> float:
+    """What an embedding over ``tokens`` per sample keeps per micro-batch: the ids and the dropout mask."""
+    r = 1.0 / tp if tc.sequence_parallel else 1.0
+    b, h = shape["micro_batch"], shape["hidden"]
+    return 8 * tokens * b + (shape["mask_bytes"] * tokens * b * h * r if tc.hidden_dropout > 0 else 0)
 
 
-def _chunk_activations(n_layers: int, tc: TransformerConfig, full: float, selective: float,
-                       checkpointed: float) -> Tuple[float, float]:
-    """(bytes a micro-batch leaves in a chunk of ``n_layers``, extra bytes of a backward replay)."""
-    if tc.recompute_granularity == "selective":
-        return n_layers * selective, 0.0
-    if tc.recompute_granularity != "full":
-        return n_layers * full, 0.0
-    stored = replay = 0.0
-    for start, end, recomputed in recomputed_chunks(n_layers, "full", tc.recompute_method, tc.recompute_num_layers):
-        stored += checkpointed if recomputed else (end - start) * full
-        replay = max(replay, (end - start) * full if recomputed else 0.0)
-    return stored, replay
+def head_bytes(tc: TransformerConfig, shape: dict, tokens: float, tp: int) -> float:
+    """What the final norm, the LM head and the loss over ``tokens`` per sample keep per micro-batch."""
+    r = 1.0 / tp if tc.sequence_parallel else 1.0
+    b, h, v = shape["micro_batch"], shape["hidden"], shape["value_bytes"]
+    return v * tokens * b * h * r + v * tokens * b * h + max(4, v) * tokens * b * tc.padded_vocab_size / tp + 8 * tokens * b
+
+
+def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[StackBytes]) -> Tuple[float, float]:
+    """(bytes a micro-batch leaves in a chunk of these stacks, extra bytes of a backward replay).
+    Stacks run in the given order, so the backward replays stack k after the later stacks have
+    freed theirs: the peak is the largest (stacks up to k + a region of k); the extra is that
+    peak less what all stacks keep (below zero where a later stack's bytes outweigh the replay)."""
+    stored, peak = [], 0.0
+    for st in chunk_stacks:
+        kept = replay = 0.0
+        if tc.recompute_granularity == "selective":
+            kept = st.layers * st.selective
+        elif tc.recompute_granularity != "full":
+            kept = st.layers * st.full
+        else:
+            for start, end, recomputed in recomputed_chunks(st.layers, "full", tc.recompute_method, tc.recompute_num_layers):
+                kept += st.checkpointed if recomputed else (end - start) * st.full
+                replay = max(replay, (end - start) * st.full if recomputed else 0.0)
+        stored.append(kept)
+        peak = max(peak, sum(stored) + replay)
+    return sum(stored), peak - sum(stored)
 
 
 def pipeline_buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int) -> int:
@@ -329,7 +333,7 @@ def _expert_dp(derived: Derived) -> int:
 
 def _headroom(cfg: RunConfig, derived: Derived, row: "RankMemory", last: bool, first_or_last: bool) -> "RankMemory":
     tc = derived.transformer
-    transient = cross_entropy_transient_bytes(cfg.data.micro_batch_size, tc.seq_length // derived.cp,
+    transient = cross_entropy_transient_bytes(cfg.data.micro_batch_size, loss_tokens(tc) // derived.cp,
                                               tc.padded_vocab_size, derived.tp, tc.params_dtype) if last else 0
     row = dataclasses.replace(row, transient_bytes=transient)
     if cfg.trainer.accelerator != "gpu":
@@ -488,7 +492,7 @@ def _position(pp_rank: int, pp: int, chunks) -> str:
 def rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int) -> RankMemory:
     """The plan's row of pipeline rank ``pp_rank`` (any of its TP and DP ranks)."""
     layer = _layer_shape(cfg, derived)
-    return _rank_memory(cfg, derived, pp_rank, layer, _outside_layers(cfg, derived, layer))
+    return _rank_memory(cfg, derived, pp_rank, layer, outside_layers(cfg, derived, layer))
 
 
 def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, outside) -> RankMemory:
@@ -511,10 +515,7 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
         padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                     cfg.optim.distributed_optimizer)
         weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
-    full = activation_bytes_per_layer(**layer)
-    selective = activation_bytes_per_layer(**{**layer, "recompute": "selective"})
-    checkpointed = activation_bytes_per_layer(**{**layer, "recompute": "full"})
-    per_chunk = [_chunk_activations(n, tc, full, selective, checkpointed) for n, _, _ in chunks]
+    per_chunk = [_chunk_activations(tc, stacks(tc, layer, n)) for n, _, _ in chunks]
     if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
         from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
         per_chunk = [(s + ds, r + dr) for (s, r), (ds, dr) in zip(per_chunk, deltas(cfg, derived, pp_rank, layer))]
@@ -554,7 +555,8 @@ def _title(cfg: RunConfig, derived: Derived) -> str:
             f"{f' (vpp {derived.vpp})' if derived.vpp > 1 else ''} x dp {derived.dp}"
             f"{f' x cp {derived.cp} ({cfg.parallel.cp_comm_type})' if derived.cp > 1 else ''}"
             f"{', sequence parallel' if derived.transformer.sequence_parallel else ''}; "
-            f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}, "
+            f"micro-batch {cfg.data.micro_batch_size} x seq {derived.transformer.seq_length}"
+            f"{f' (decoder {derived.transformer.decoder_seq_length})' if derived.transformer.arch == 't5' else ''}, "
             f"{derived.num_microbatches} micro-batches/step; {cfg.precision.params_dtype}; recompute {recompute}; "
             + ("FSDP" if cfg.parallel.data_parallel == "fsdp" else
                f"distributed optimizer {'on' if cfg.optim.distributed_optimizer else 'off'}"))
@@ -573,12 +575,9 @@ def checkpoint_share_bytes(cfg: RunConfig, derived: Derived, row: RankMemory) ->
 
 def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
     """Bytes per distinct rank position of the run ``cfg`` (module docstring)."""
-    if cfg.model.arch not in PLANNED_ARCHS:
-        raise ConfigError(f"the memory plan covers model.arch in {', '.join(PLANNED_ARCHS)}, not {cfg.model.arch!r}: "
-                          "drop mode=plan for this model")
     device_bytes, source = device_memory(cfg)
     layer = _layer_shape(cfg, derived)
-    outside = _outside_layers(cfg, derived, layer)
+    outside = outside_layers(cfg, derived, layer)
     rows = [_rank_memory(cfg, derived, i, layer, outside) for i in range(derived.pp)]
     notes = []
     if derived.pp > 1:

@@ -77,6 +77,17 @@ Every message also pays ``latency_s``, and links deliver ``link_efficiency`` of 
 bus bandwidth on NVSwitch and HDR InfiniBand is about three quarters of the link rate); these two
 are fixed, not fitted.
 
+Model families (``layer_stacks``): the terms above are per layer of a stack of identical layers
+over ``s`` tokens. GPT and BERT have one (BERT's bidirectional attention computes all its score
+blocks). T5 has two, its pipeline one stage: the encoder over its ``s`` tokens, and the decoder
+over ``t = decoder_seq_length`` tokens, each decoder layer a GPT layer at ``t`` plus its
+cross-attention: query and output projections per decoder token, the key/value projection of the
+``s`` encoder tokens, ``4 s a k`` more attention FLOPs per decoder token (scores and values over
+the encoder's keys), a third norm and dropout-add (``c_h`` scaled by 3/2), and a third
+tensor-parallel all-reduce each way plus, in the backward, one over the ``s`` encoder tokens (the
+encoder output's gradient). The LM head and its loss run over ``t`` tokens. Model FLOPs equal
+``planning.flops``' count for every family.
+
 Modern runs (each a switch on ``Layout``; off, they are the 2021 software above, which
 ``planning.sc21`` evaluates; ``flash_attention`` is on by default, as in every GPU run of this
 project):
@@ -100,6 +111,12 @@ project):
   matmul ``G``. Forward (and recomputed forward) pairs are pipelined in ``t`` chunks, exposing
   ``T/t + (t-1)/t * max(0, T - G)``; backward pairs are bulk-overlapped with the ``2 G`` of the
   backward matmuls, exposing ``max(0, T - 2 G)``.
+* ``pp_comm_overlap`` (Megatron-Core's ``overlap_p2p_comm``, which NeMo's and Megatron-Bridge's
+  recipes turn on whenever the schedule is interleaved, ``v > 1``; this project's pipeline leaves
+  it off): in the steady state each chunk's send and receive run while the GPU computes its next
+  chunk, exposing ``max(0, T_p2p - F_v)`` per forward message and ``max(0, T_p2p - B_v)`` per
+  backward one (``F_v``, ``B_v`` one chunk's forward and backward of a micro-batch); the
+  ``2 (p-1)`` messages of the warm-up and cool-down stay exposed.
 * DP overlap per virtual chunk (``overlap_grad_reduce``): a chunk's gradients are reduced once its
   last micro-batch's backward is done. With ``v`` chunks of backward time ``B_v = B / v`` each
   (``B`` the backward of one micro-batch through the GPU's layers), the last chunk's reduction
@@ -128,6 +145,7 @@ from typing import Optional, Tuple
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
+from megatron_hydra.planning.flops import loss_tokens
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -159,10 +177,10 @@ FP8_PEAK_RATIO = {"H100-SXM5-80GB": 2.0, "H200-SXM-141GB": 2.0, "B200-SXM-180GB"
 # The shipped constants: SC21's eta and kappa (the A100 and the fallback), the Hopper/Blackwell eta
 # and the FP8 efficiency fitted on the fitting rows of ``planning.calibration`` (its ``fit``; the
 # B200 has no published row in the fit and takes the H100's value).
-_HOPPER_ETA = 0.6067
+_HOPPER_ETA = 0.6
 CALIBRATED = replace(SC21_FIT, gpu_eta=(("H100-SXM5-80GB", _HOPPER_ETA), ("H200-SXM-141GB", _HOPPER_ETA),
-                                        ("B200-SXM-180GB", _HOPPER_ETA)), fp8_efficiency=0.8067,
-                     attention_efficiency=0.3767)
+                                        ("B200-SXM-180GB", _HOPPER_ETA)), fp8_efficiency=0.7633,
+                     attention_efficiency=0.43)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,7 @@ class Layout:
     fused_kernels: bool = False  # model.transformer_impl=transformer_engine
     fp8: bool = False  # precision.fp8
     tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
+    pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
 
 
 @dataclass(frozen=True)
@@ -249,10 +268,43 @@ def _projection_flops_per_token(tc: TransformerConfig) -> tuple:
     return (2.0 * h * (a + 2 * g) * k, 2.0 * a * k * h, 2.0 * (units - 1) * h * width + x * router, 2.0 * h * width)
 
 
-def _layer_fwd_flops_per_token(tc: TransformerConfig) -> tuple:
-    """(matmul FLOPs of the projections, FLOPs of the two attention matmuls) per token, forward,
-    averaged over the layers (MoE layers: router and the experts a token runs through)."""
-    return float(sum(_projection_flops_per_token(tc))), float(4 * tc.seq_length * tc.num_attention_heads * tc.kv_channels)
+@dataclass(frozen=True)
+class LayerStack:
+    """Layers of one kind that every sample runs through (module docstring, "Model families"):
+    per layer and per token of the stack, the forward FLOPs of its projections and of its
+    attention matmuls, its residual branches (each a norm and a dropout-add), the tokens per
+    sample of each tensor-parallel all-reduce of its forward and of its backward, and its weights."""
+
+    layers: int
+    tokens: int  # per sample: the stack's own tokens (queries)
+    projections: Tuple[float, ...]
+    attention: float
+    branches: int
+    tp_forward: Tuple[int, ...]
+    tp_backward: Tuple[int, ...]
+    params: float  # per layer, dense (MoE experts: ``_params_per_gpu``)
+
+
+def layer_stacks(tc: TransformerConfig) -> Tuple[LayerStack, ...]:
+    """GPT and BERT: one stack over the sequence. T5: its encoder over the ``s`` encoder tokens and
+    its decoder over the ``t`` decoder tokens, whose cross-attention adds per layer a query and an
+    output projection per decoder token, the key/value projection of the ``s`` encoder tokens,
+    ``4 s a k`` attention FLOPs per decoder token, a third branch, and a third all-reduce each way
+    plus, backward, one over the encoder tokens (the gradient of the encoder output)."""
+    h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
+    units, x, moe = _mlp_units(tc), _moe_fraction(tc), tc.moe
+    params = h * (a + 2 * g) * k + a * k * h + (1 - x) * units * h * tc.ffn_hidden_size
+    if moe is not None:
+        params += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
+    s = tc.seq_length
+    own = LayerStack(tc.num_layers, s, _projection_flops_per_token(tc), float(4 * s * a * k), 2, (s, s), (s, s), params)
+    if tc.arch != "t5":
+        return (own,)
+    t = tc.decoder_seq_length
+    cross = (2.0 * h * a * k, 2.0 * a * k * h, 2.0 * h * 2 * g * k * s / t)  # per decoder token: query, output, K/V
+    decoder = LayerStack(tc.num_decoder_layers, t, own.projections + cross, float(4 * (t + s) * a * k), 3, (t, t, t),
+                         (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k)
+    return own, decoder
 
 
 def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
@@ -275,16 +327,13 @@ def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
     """(dense, expert) weights on the most loaded GPU (a middle stage has layers only; the
     embedding stages have the vocabulary too): enough for the gradient volume. Expert weights are
     1/ep per GPU; an MoE layer's router and shared expert count as dense."""
-    h, k, a, g, f = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups, tc.ffn_hidden_size
-    units, x, moe = _mlp_units(tc), _moe_fraction(tc), tc.moe
-    layer = h * (a + 2 * g) * k + a * k * h + (1 - x) * units * h * f
+    moe = tc.moe
     experts = 0.0
     if moe is not None:
-        layer += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
-        experts = x * units * h * moe.ffn_hidden_size * moe.num_experts / lay.ep
-    embedding = tc.padded_vocab_size * h
-    layers = tc.num_layers / lay.pp
-    return (layers * layer + embedding) / lay.tp, layers * experts / (1 if lay.whole_experts else lay.tp)
+        experts = _moe_fraction(tc) * _mlp_units(tc) * tc.hidden_size * moe.ffn_hidden_size * moe.num_experts / lay.ep
+    dense = sum(st.layers * st.params for st in layer_stacks(tc)) / lay.pp
+    embedding = tc.padded_vocab_size * tc.hidden_size
+    return (dense + embedding) / lay.tp, tc.num_layers / lay.pp * experts / (1 if lay.whole_experts else lay.tp)
 
 
 def ep_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants) -> float:
@@ -305,38 +354,26 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
              c: Constants = CALIBRATED) -> StepTime:
     """Seconds per step of ``lay`` (see the module docstring for every term)."""
     t, p, d, b, v, cp = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.vpp, lay.cp
-    s, h, a, f = tc.seq_length, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size
+    s, h = tc.seq_length, tc.hidden_size
     m = global_batch / (b * d)
     tokens_mb = b * s / cp  # the tokens of a micro-batch one GPU holds
     peak, hbm = cluster.peak_tflops * 1e12 * c.matmul_eta(cluster.gpu), cluster.hbm_gb_per_s * 1e9
     fp8 = lay.fp8 and cluster.gpu in FP8_PEAK_RATIO  # a GPU without FP8 tensor cores runs bf16
     linear_peak = peak * max(1.0, c.fp8_efficiency * FP8_PEAK_RATIO[cluster.gpu]) if fp8 else peak
-    dense, attn = _layer_fwd_flops_per_token(tc)
-    causal = 0.5 if lay.flash_attention and tc.arch == "gpt" else 1.0
-
-    # One layer, one micro-batch, on one GPU: forward matmul and memory-bound seconds.
-    projections = [tokens_mb * x / t / linear_peak for x in _projection_flops_per_token(tc)]
-    attn_rate = peak * (c.attention_efficiency if lay.flash_attention else 1.0)
-    mm_dense, mm_attn = sum(projections), causal * tokens_mb * attn / t / attn_rate
-    h_rep = h / t if lay.sequence_parallel else h
-    x = _moe_fraction(tc)
-    f = (1 - x) * f + x * _mlp_widths(tc)[1]
-    passes = c.c_h_fused if lay.fused_kernels else c.c_h
-    mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
-    mem_s = 0.0 if lay.flash_attention else c.kappa * ACT_BYTES * tokens_mb * c.c_s * a * s / t / hbm
-    fwd = mm_dense + mm_attn + mem_h + mem_s
-    selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
-    extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
-    layer_time = 3 * fwd + extra
-    head_fwd = (tokens_mb * 2 * h * tc.padded_vocab_size / t / peak
-                + c.kappa * ACT_BYTES * tokens_mb * 4 * tc.padded_vocab_size / t / hbm)
+    stacks = [_stack_seconds(tc, st, lay, cluster, c, peak, linear_peak, hbm) for st in layer_stacks(tc)]
     layers_per_gpu = tc.num_layers / p
-    stage_time = layers_per_gpu * layer_time + 3 * head_fwd  # the last stage is the slowest
+
+    def per_gpu(term) -> float:  # the stacks' per-layer seconds over the GPU's share of their layers
+        return sum(st.layers / p * term(x) for st, x in zip(layer_stacks(tc), stacks))
+
+    head_tokens = b * loss_tokens(tc) / cp
+    head_fwd = (head_tokens * 2 * h * tc.padded_vocab_size / t / peak
+                + c.kappa * ACT_BYTES * head_tokens * 4 * tc.padded_vocab_size / t / hbm)
+    stage_time = per_gpu(lambda x: 3 * x.fwd + x.extra) + 3 * head_fwd  # the last stage is the slowest
 
     # Tensor-parallel collectives (per layer and micro-batch, on the critical path).
-    tp_layer = tp_layer_seconds(tc, lay, cluster, c, projections)
-    tp_stage = layers_per_gpu * tp_layer
-    cp_stage = layers_per_gpu * cp_layer_seconds(tc, lay, cluster, c, block_attention=(mm_attn + mem_s) / cp)[1]
+    tp_stage = per_gpu(lambda x: x.tp)
+    cp_stage = per_gpu(lambda x: cp_layer_seconds(tc, lay, cluster, c, block_attention=x.attention / cp)[1])
     ep_stage = layers_per_gpu * _moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
 
     # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
@@ -346,6 +383,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
         link = cluster.ib_gb_per_s if t * cp * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
         p2p = _ring_time(tokens_mb * h * ACT_BYTES / t, link, c)
         pp_comm = (2 * v * m + 2 * (p - 1)) * p2p
+        if lay.pp_comm_overlap and v > 1:  # steady-state transfers behind the next chunk's compute
+            chunk_fwd, chunk_bwd = per_gpu(lambda x: x.fwd) / v, per_gpu(lambda x: 2 * x.fwd + x.extra) / v
+            pp_comm = v * m * (max(0.0, p2p - chunk_fwd) + max(0.0, p2p - chunk_bwd)) + 2 * (p - 1) * p2p
     else:
         pp_comm = 0.0
     tp_comm = (m + (p - 1) / v) * tp_stage
@@ -354,8 +394,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
 
     # Data-parallel gradient reduction, over the d x cp ranks that hold the same weights.
     dp_comm, dc = 0.0, d * cp
+    backward_of_last = per_gpu(lambda x: 2 * x.fwd + x.extra) + 2 * head_fwd
     if dc > 1 and lay.fsdp:
-        dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd)
+        dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, backward_of_last)
     elif dc > 1:
         dense_params, expert_params = _params_per_gpu(tc, lay)
         link = _group_link(cluster, t * dc, cluster.gpus_per_node // t)
@@ -370,19 +411,50 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
                 _ring_time(share * 2 * GRAD_BYTES, link, c, 2) if share else 0)
             gather = 0.0
         if lay.overlap_grad_reduce:
-            backward_of_last = layers_per_gpu * (2 * fwd + extra) + 2 * head_fwd
-            forward_of_first = layers_per_gpu * fwd + head_fwd
+            forward_of_first = per_gpu(lambda x: x.fwd) + head_fwd
             dp_comm = _chunk_overlap(reduce, backward_of_last, v, p) + _chunk_overlap(gather, forward_of_first, v, p)
         else:
             dp_comm = reduce + gather
 
     gpus = t * p * cp * d
-    model_flops = 3 * global_batch * s * (tc.num_layers * (dense + attn) + 2 * h * tc.padded_vocab_size)
-    replayed = {None: 0.0, "selective": attn if lay.cp == 1 else 0.0, "full": dense + attn}[lay.recompute]
-    recompute_flops = global_batch * s * tc.num_layers * replayed
+    layer_flops = sum(st.tokens * st.layers * (sum(st.projections) + st.attention) for st in layer_stacks(tc))
+    model_flops = 3 * global_batch * (layer_flops + loss_tokens(tc) * 2 * h * tc.padded_vocab_size)
+    replayed = sum(st.tokens * st.layers * {None: 0.0, "selective": st.attention if lay.cp == 1 else 0.0,
+                                            "full": sum(st.projections) + st.attention}[lay.recompute]
+                   for st in layer_stacks(tc))
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
-                    model_flops=model_flops, hardware_flops=model_flops + recompute_flops, gpus=gpus,
+                    model_flops=model_flops, hardware_flops=model_flops + global_batch * replayed, gpus=gpus,
                     tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm)
+
+
+@dataclass(frozen=True)
+class _LayerSeconds:
+    fwd: float  # one layer's forward, one micro-batch, one GPU
+    extra: float  # what recompute replays of it in the backward
+    attention: float  # its attention's matmuls and memory-bound passes (the forward of one CP block x cp)
+    tp: float  # its exposed tensor-parallel collectives
+
+
+def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: ClusterConfig, c: Constants,
+                   peak: float, linear_peak: float, hbm: float) -> _LayerSeconds:
+    """One layer of ``st``: forward matmul and memory-bound seconds, recompute, TP collectives."""
+    t = lay.tp
+    tokens_mb = lay.micro_batch * st.tokens / lay.cp
+    causal = 0.5 if lay.flash_attention and tc.arch == "gpt" else 1.0
+    projections = [tokens_mb * x / t / linear_peak for x in st.projections]
+    attn_rate = peak * (c.attention_efficiency if lay.flash_attention else 1.0)
+    mm_dense, mm_attn = sum(projections), causal * tokens_mb * st.attention / t / attn_rate
+    h_rep = tc.hidden_size / t if lay.sequence_parallel else tc.hidden_size
+    x = _moe_fraction(tc)
+    f = (1 - x) * tc.ffn_hidden_size + x * _mlp_widths(tc)[1]
+    passes = (c.c_h_fused if lay.fused_kernels else c.c_h) * st.branches / 2
+    mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
+    keys = st.attention / (4 * tc.kv_channels)  # a s: the scores per query of every head
+    mem_s = 0.0 if lay.flash_attention else c.kappa * ACT_BYTES * tokens_mb * c.c_s * keys / t / hbm
+    fwd = mm_dense + mm_attn + mem_h + mem_s
+    selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
+    extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
+    return _LayerSeconds(fwd, extra, mm_attn + mem_s, tp_layer_seconds(tc, lay, cluster, c, projections, st))
 
 
 def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
@@ -393,20 +465,26 @@ def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
 
 
 def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
-                     projections: list) -> float:
+                     projections: list, stack: Optional[LayerStack] = None) -> float:
     """Exposed seconds of one layer's tensor-parallel collectives per micro-batch on one GPU;
-    ``projections`` are the forward seconds of the (QKV, output, MLP in, MLP out) matmuls."""
+    ``projections`` are the forward seconds of the layer's matmuls (QKV, output, MLP in, MLP out),
+    ``stack`` the layer's kind (default: GPT's layers). The communication overlap pairs those four
+    matmuls with their collectives; T5's decoder layers (more of both) run without it."""
     t = lay.tp
     if t == 1:
         return 0.0
-    tokens = lay.micro_batch * tc.seq_length / lay.cp
+    st = stack or layer_stacks(tc)[0]
     link = _group_link(cluster, t)
     replays = 1 if lay.recompute == "full" else 0
-    msg = 2 * (t - 1) / t * tokens * tc.hidden_size * ACT_BYTES
-    exposed = (4 + 2 * replays) * _ring_time(msg, link, c)
-    if not lay.tp_comm_overlap:
+
+    def message(tokens: int) -> float:  # bytes per GPU of an all-reduce over ``tokens`` per sample
+        return 2 * (t - 1) / t * lay.micro_batch * tokens / lay.cp * tc.hidden_size * ACT_BYTES
+
+    exposed = ((1 + replays) * sum(_ring_time(message(n), link, c) for n in st.tp_forward)
+               + sum(_ring_time(message(n), link, c) for n in st.tp_backward))
+    if not lay.tp_comm_overlap or len(projections) != 4:
         return exposed
-    half = _ring_time(msg / 2, link, c)
+    half = _ring_time(message(st.tokens) / 2, link, c)
     pipelined = sum(half / t + (t - 1) / t * max(0.0, half - g) for g in projections)
     bulk = sum(max(0.0, half - 2 * g) for g in projections)
     return min(exposed, (1 + replays) * pipelined + bulk)  # latency-bound messages: overlap off
