@@ -29,7 +29,7 @@ CONF = ROOT / "conf"
 LONG_FILES = ("test_cluster_launch.py", "test_launcher.py", "test_kill.py", "test_context_parallel_model.py",
               "test_pipeline_parallel.py", "test_moe_model.py",
               "test_dry_run.py", "test_launcher_trust.py", "test_memory_plan.py", "test_tensor_parallel_model.py",
-              "test_distributed_optimizer.py", "test_checkpoint_errors.py", "test_checkpoint_resume.py",
+              "test_distributed_optimizer.py", "test_memory_plan_archs.py", "test_checkpoint_errors.py", "test_checkpoint_resume.py",
               "test_fsdp.py", "test_mixed_precision.py", "test_recompute.py", "test_config.py", "test_planner.py",
               "test_host_sync.py", "test_checkpoint_async.py", "test_t5.py", "test_data_parallel.py",
               "test_context_parallel_attention.py", "test_expert_gradients.py", "test_moe_layer.py")
