@@ -4,8 +4,9 @@
     python benchmarks/vs_peers.py [layers=2] [steps=3] [seqs=512,1024] [dtypes=float32,bfloat16] [threads=N]
 
 The shapes, the training step (forward, loss, backward, AdamW) and the timing are
-``vs_transformers.py``'s (hidden 768, 12 heads, vocabulary 50257; this process's CPU time per
-token, the steps of all models interleaved, medians after a warm-up step). Peers, each in the
+``vs_transformers.py``'s (torch's fused AdamW on every side, hidden 768, 12 heads, vocabulary
+50257; this process's CPU time per token, the steps of all models interleaved, medians after a
+warm-up step). Peers, each in the
 GPT-2 form (learned positions, LayerNorm, GELU, tied embeddings) and the Llama form (RoPE,
 RMSNorm, SwiGLU with ffn 2048, untied head):
 
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_transformers import HEADS, HIDDEN, LLAMA_FFN, VOCAB, ours, step_fn, theirs, timed  # noqa: E402
+from vs_transformers import HEADS, HIDDEN, LLAMA_FFN, VOCAB, adamw, ours, step_fn, theirs, timed  # noqa: E402
 
 
 def _megatron_core_on_cpu():
@@ -91,7 +92,7 @@ def megatron_core(flavour: str, layers: int, seq: int, dtype: torch.dtype):
 
 
 def megatron_step(model, tokens: torch.Tensor, labels: torch.Tensor):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = adamw(model)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
 
     def step() -> None:
