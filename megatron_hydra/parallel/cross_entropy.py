@@ -6,8 +6,9 @@ all-reduced. The backward is softmax minus the one-hot target, on the local shar
 
 When the whole vocabulary is on this rank (TP 1) there is nothing to all-reduce, and torch's
 fused log-softmax kernel does in one pass over the logits what the sharded form does in four
-(max, subtract, exp, sum) and a fifth in backward (divide): on a CPU, at a GPT-2 vocabulary, the
-loss's forward and backward take 30% less time (137 against 197 ms at 512 tokens in fp32).
+(max, subtract, exp, sum) and a fifth in backward (divide): on a 2-core CPU, at a GPT-2
+vocabulary and 512 tokens, the loss's forward and backward take 108 against 134 ms in fp32 and
+233 against 264 ms with bf16 logits (``F.cross_entropy`` of fp32 logits: 194 and 343 ms).
 """
 
 from __future__ import annotations
