@@ -13,8 +13,8 @@ vocabulary 50257, a few layers so that it finishes in minutes on a small CPU):
   ``LlamaForCausalLM``.
 
 bfloat16 casts both models' parameters to bfloat16 (the optimizer steps them in bfloat16), the
-same treatment on both sides. Steps of the two models alternate, so that load from other
-processes hits both alike; the median step after ``warmup`` steps is reported, timed by this
+same treatment on both sides; both step with torch's fused AdamW (``adamw``). Steps of the two
+models alternate, so that load from other processes hits both alike; the median step after ``warmup`` steps is reported, timed by this
 process's CPU time (``clock=cpu``, robust on a shared machine) or elapsed time (``clock=wall``).
 Prints tokens per second of that clock and the ratio ours / transformers; asserts nothing.
 """
@@ -67,8 +67,17 @@ def theirs(flavour: str, layers: int, dtype: torch.dtype):
     return model.to(dtype).train()
 
 
+def adamw(model) -> torch.optim.Optimizer:
+    """The same optimizer kernel for every model: torch's fused AdamW, which each side picks by
+    default (ours: ``optim.impl=auto`` on CPU; transformers' Trainer: ``adamw_torch_fused``;
+    Megatron-Core takes its fused Adam from Transformer Engine or apex, the fused kernels it was
+    written for). torch's own CPU default, the per-tensor loop, would spend a quarter of the Llama
+    form's step in the optimizer, alike on both sides, and blur the models' difference."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+
 def step_fn(model, hf: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = adamw(model)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
