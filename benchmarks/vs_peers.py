@@ -28,7 +28,9 @@ in brackets, the machine's load average between 1 and 50 over the runs):
     bf16 Llama  s=512  1.01 (0.97) / 1.16 (0.78)   s=1024  1.05 / 1.06
 
 Against Megatron-Core that is parity to a small lead, against transformers a lead in most cells,
-neither a steady 1.1x: the same run's two samples differ by up to 0.4. torchtitan is not in
+neither a steady 1.1x: the same run's two samples differ by up to 0.4. (Measured with a fused
+log-softmax loss and a roll-based rotary embedding that were later dropped: their whole-step
+effect was within the noise, see docs/hf_interop.md.) torchtitan is not in
 the table: its 0.3.0 wheel imports ``spmd_types``, which no index this project installs from
 provides.
 """

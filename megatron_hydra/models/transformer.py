@@ -61,24 +61,18 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, length: int, dtype: torch.dtype, offset: int = 0,
                position_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (``rotate``) for ``length`` tokens from position ``offset``
-        ([length, head_dim]), or for the positions ``position_ids`` ([batch, seq]; context
-        parallelism: this rank's chunks) as [batch, 1, seq, head_dim], gathered once for both q
-        and k."""
+        """cos and sin for ``length`` tokens from position ``offset`` ([length, head_dim], views
+        of the buffers), or for the positions ``position_ids`` ([batch, seq]; context parallelism:
+        this rank's chunks) as [batch, 1, seq, head_dim], gathered once for both q and k."""
         if position_ids is not None:
-            cos, sin = self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
-        else:
-            cos, sin = self.cos[offset:offset + length], self.sin[offset:offset + length]
-        half = self.dim // 2
-        return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
+            return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
+        return self.cos[offset:offset + length].to(dtype), self.sin[offset:offset + length].to(dtype)
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half, ``x cos + [-x2, x1] sin``, as ``x cos + [x2, x1] [-sin1, sin2]`` (the
-        sign folded into the per-call table): a roll and one fused multiply-add instead of a
-        negation, a concatenation, a multiply and an add over q and k (a third less time for
-        their forward and backward on a CPU)."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""
