@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import multiprocessing
 import os
+import pickle
 import sys
 import time
 from contextlib import contextmanager
@@ -143,7 +144,9 @@ def _rank_entry(rank: int, fn: Callable, world: int, port: int, args, queue) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
-        queue.put((rank, result))
+        # As bytes: a queue would share a tensor's storage through a file descriptor that this
+        # process serves from a helper thread, and the process exits right below.
+        queue.put((rank, pickle.dumps(result)))
     finally:
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo ranks that used point-to-point ops sometimes abort there
@@ -179,7 +182,7 @@ def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:
         done = procs.join(timeout=0.05)
         while not queue.empty():
             rank, value = queue.get()
-            results[rank] = value
+            results[rank] = pickle.loads(value)  # this suite's own ranks' results
     return results
 
 
