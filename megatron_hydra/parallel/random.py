@@ -113,6 +113,12 @@ def seed_model_parallel(seed: int, tp_rank: int) -> None:
     _TRACKER.add(TP_RNG, seed + TP_SEED_OFFSET + tp_rank)
 
 
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The seed of pipeline stage ``pp_rank``: the same on every DP replica and TP rank of the
+    stage, offset per stage as Megatron does (training and the dry run both seed from it)."""
+    return seed + 100 * pp_rank
+
+
 def tp_rng(sharded: bool):
     """The context in which to draw a random mask for a tensor that differs between TP ranks
     (``sharded``) or is replicated over them."""

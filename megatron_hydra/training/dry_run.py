@@ -179,7 +179,7 @@ def simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
 def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_hydra.parallel.random import seed_model_parallel
+    from megatron_hydra.parallel.random import seed_model_parallel, stage_seed
     from megatron_hydra.planning.memory import rank_memory
     from megatron_hydra.training.module import LMModule
     from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
@@ -192,7 +192,7 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
         # The mesh is built from real (host) rank tables, before anything turns fake.
         ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
                              ep=derived.ep, etp=derived.etp)
-        seed_model_parallel(cfg.seed + 100 * ps.pp_rank, ps.tp_rank)  # as training does: dropout draws from it
+        seed_model_parallel(stage_seed(cfg.seed, ps.pp_rank), ps.tp_rank)  # as training does: dropout draws from it
         with fake_gpu.fake_gpu() as check:
             tracker = _memory_tracker()
             with tracker:

@@ -19,7 +19,7 @@ from megatron_hydra.data.arch_datasets import dataset_factory
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.samplers import GlobalBatchSampler
 from megatron_hydra.data.sequence_shards import ShardingCollate
-from megatron_hydra.parallel.random import seed_model_parallel
+from megatron_hydra.parallel.random import seed_model_parallel, stage_seed
 from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.checkpointing import CheckpointCallback
 from megatron_hydra.training.loggers import build_loggers
@@ -164,7 +164,7 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
                  cfg.data.micro_batch_size)
     # Same seed on every DP replica; Megatron offsets it per pipeline stage. The default generator
     # is the same on every TP rank (replicated dropout); the TP-sharded stream differs per TP rank.
-    seed = cfg.seed + 100 * ps.pp_rank
+    seed = stage_seed(cfg.seed, ps.pp_rank)
     pl.seed_everything(seed, workers=True, verbose=False)
     seed_model_parallel(seed, ps.tp_rank)
     module = LMModule(cfg, derived, ps, device)  # built and initialised on its device
