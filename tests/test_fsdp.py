@@ -101,15 +101,21 @@ def test_fsdp_equals_single_process(layout, single, two_ranks, four_ranks):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_16_bit_fsdp_equals_16_bit_ddp(precision, two_ranks):
     # fp32 shards computed in 16 bits and reduced in fp32 are the ddp path's 16-bit weights with
-    # fp32 main copies and an fp32 grad buffer (fp16: the same loss scaling): the same losses. The
-    # grad norm sums squares over other partitions (per rank, then over ranks), and one 16-bit
+    # fp32 main copies and an fp32 grad buffer (fp16: the same loss scaling): the same first loss.
+    # The grad norm sums squares over other partitions (per rank, then over ranks), and one 16-bit
     # rounding that a last-bit difference flips moves it (a bf16 or fp16 rounding step is 2^-8 or
-    # 2^-11 of a value; measured on the norm: 1.3e-7 to 1.3e-4 depending on the initial weights). The
-    # exact equality of the two paths is the float64 tests' (1e-9).
+    # 2^-11 of a value; measured on the norm: 1.3e-7 to 1.3e-4 depending on the initial weights).
+    # The fp32 grads, summed in another order, differ in their last bits, and so do the updated
+    # weights: once cast to 16 bits, a few of them round the other way, and later losses drift
+    # (measured: up to 2.1e-6 by step 4, depending on the CPU's matmul kernels). The exact equality
+    # of the two paths is the float64 tests' (1e-9).
     name = f"dp2_{precision}"
     for per_layout in two_ranks.values():
-        for (loss, norm), (ref_loss, ref_norm) in zip(per_layout[name][0], per_layout[f"ddp:{name}"][0]):
-            assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-3)
+        steps, ref_steps = per_layout[name][0], per_layout[f"ddp:{name}"][0]
+        assert len(steps) == len(ref_steps) == STEPS
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps)):
+            assert loss == pytest.approx(ref_loss, rel=1e-6 if step == 0 else 2e-5), f"step {step}: loss"
+            assert norm == pytest.approx(ref_norm, rel=1e-3), f"step {step}: grad norm"
 
 
 def test_fsdp_dp4_holds_a_quarter_of_the_parameters(single, four_ranks):
