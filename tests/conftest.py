@@ -8,6 +8,13 @@ import os
 import pickle
 import sys
 import time
+
+# One thread per process, set before torch is imported: two xdist workers share two cores, each
+# with its own ranks and launched runs. Several threads per process on a core they do not have
+# to themselves spin at every OpenMP barrier while a peer waits for its turn (a tiny model's step
+# measured 1 s instead of 0.06 s). Ranks forked from the server below, launched runs (whose
+# workers read OMP_NUM_THREADS: training.worker.cpu_threads) and this process all run one.
+os.environ["OMP_NUM_THREADS"] = "1"
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,11 +22,14 @@ from typing import Callable, Dict, List
 from unittest import mock
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megatron_hydra.config.io import free_port
+
+torch.set_num_threads(1)  # where a plugin imported torch before this file
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -296,3 +296,16 @@ def test_local_gpu_run_without_a_gpu_per_rank_is_one_line(overrides, visible, fr
         check_gpus(compose_config([*SMALL, *overrides]), None, visible)
     assert "\n" not in str(info.value)
     check_gpus(compose_config([*SMALL, *overrides]), None, 8)  # eight GPUs for eight ranks
+
+
+def test_cpu_threads_are_the_setting_then_omp_num_threads_then_the_cores_per_rank(monkeypatch):
+    from megatron_hydra import lifecycle
+    from megatron_hydra.training.worker import cpu_threads
+
+    monkeypatch.setattr(lifecycle, "cpu_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (cpu_threads(None, 1), cpu_threads(None, 2), cpu_threads(None, 16), cpu_threads(3, 2)) == (8, 4, 1, 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's choice for several ranks per node
+    assert (cpu_threads(None, 2), cpu_threads(3, 2)) == (1, 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert cpu_threads(None, 2) == 4

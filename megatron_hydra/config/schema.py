@@ -271,7 +271,8 @@ class TrainerConfig:
     max_steps: int = 100
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
-    # Threads per rank on CPU; None -> the machine's cores divided by the local ranks.
+    # Threads per rank on CPU; None -> OMP_NUM_THREADS where set, else the machine's cores divided
+    # by the local ranks.
     num_threads: Optional[int] = None
     # Run validation every this many steps (0 disables it) over limit_val_batches global batches.
     val_check_interval: int = 0

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,13 +50,25 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def cpu_threads(num_threads: Optional[int], local_world_size: int) -> int:
+    """Threads of one CPU rank: ``trainer.num_threads``; else ``OMP_NUM_THREADS`` where it is set
+    (torchrun sets it to 1 when it starts several ranks per node); else the cores this process may
+    run on (cgroups, SLURM and taskset shrink them), shared by the local ranks. More threads than
+    cores is much slower than fewer: an OpenMP thread spins at every barrier while a peer waits for
+    a core."""
+    if num_threads:
+        return num_threads
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, lifecycle.cpu_cores() // local_world_size)
+
+
 def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_size: int) -> None:
     from megatron_hydra.training.train import train
 
     if cfg.trainer.accelerator == "cpu":
-        # The cores this process may run on (cgroups, SLURM and taskset shrink them), shared by the local ranks.
-        cores = lifecycle.cpu_cores()
-        torch.set_num_threads(cfg.trainer.num_threads or max(1, cores // local_world_size))
+        torch.set_num_threads(cpu_threads(cfg.trainer.num_threads, local_world_size))
     else:
         set_tf32(cfg.precision.tf32)
     init_process_group(cfg, local_rank)
