@@ -25,6 +25,7 @@ def build(layout, world):
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
 
+    torch.set_num_threads(1)  # up to 8 ranks on the machine's cores
     cfg = compose_config([*MODEL, f"trainer.devices={world}", *layout])
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp) if dist.is_initialized() else ParallelState.single()
@@ -110,12 +111,52 @@ def _load_rank(rank, world, layout, path, with_optimizer):
     return local_shards(model, opt, ps)
 
 
+def _load_layouts(rank, world, layouts, path, with_optimizer):
+    """``_load_rank`` for each layout of this world size in turn, each into a freshly built model
+    and optimizer (one process group for them all)."""
+    return [_load_rank(rank, world, layout, path, with_optimizer) for layout in layouts]
+
+
+def _save_then_load(rank, world, layout, path, load_layout):
+    """Save at ``layout``; once every rank has, load at ``load_layout`` (same world size) into a
+    freshly built model and optimizer."""
+    import torch.distributed as dist
+
+    shards = _save_rank(rank, world, layout, path)
+    dist.barrier()
+    return shards, _load_rank(rank, world, load_layout, path, True)
+
+
+# The loads below, by world size: those at the saving world size (8) run in the saving ranks, after
+# the save; the others share one process group per world size.
+LOADS = {  # id -> layout
+    "single": [],
+    "tp4": ["parallel=tp4"],
+    "pp4": ["parallel=pp4"],
+    "pp2_dp4": ["parallel=pp2"],  # tp1 x pp2 x dp4
+}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved_and_loaded(tmp_path_factory):
+    """The checkpoint's path, its full tensors rebuilt from the saving ranks' shards, and the same
+    rebuilt from each layout of LOADS after loading it."""
     path = str(tmp_path_factory.mktemp("ckpt") / "step_0000002")
-    results = spawn_ranks(_save_rank, 8, ["parallel=tp2_pp2"], path)
+    results = spawn_ranks(_save_then_load, 8, ["parallel=tp2_pp2"], path, LOADS["pp2_dp4"])
     assert len(results) == 8
-    return path, reconstruct(results)
+    full = reconstruct({rank: shards for rank, (shards, _) in results.items()})
+    loaded = {"pp2_dp4": reconstruct({rank: shards for rank, (_, shards) in results.items()})}
+    for world, names in ((1, ["single"]), (4, ["tp4", "pp4"])):
+        per_rank = spawn_ranks(_load_layouts, world, [LOADS[n] for n in names], path, True)
+        for i, name in enumerate(names):
+            loaded[name] = reconstruct({rank: r[i] for rank, r in per_rank.items()})
+    return path, full, loaded
+
+
+@pytest.fixture(scope="module")
+def saved(saved_and_loaded):
+    path, full, _ = saved_and_loaded
+    return path, full
 
 
 def test_save_writes_a_complete_checkpoint(saved):
@@ -149,15 +190,10 @@ def test_every_rank_writes_only_its_own_pieces(saved):
     assert max(math.prod(c.sizes) for c in table.chunks) <= 256 * 64 // 2  # a TP shard's rows over dp2
 
 
-@pytest.mark.parametrize("layout,world", [
-    ([], 1),  # single
-    (["parallel=tp4"], 4),
-    (["parallel=pp4"], 4),
-    (["parallel=pp2"], 8),  # tp1 x pp2 x dp4
-])
-def test_any_layout_loads_it_bitwise(saved, layout, world):
-    path, full = saved
-    loaded = reconstruct(spawn_ranks(_load_rank, world, layout, path, True))
+@pytest.mark.parametrize("name", list(LOADS))
+def test_any_layout_loads_it_bitwise(saved_and_loaded, name):
+    path, full, loads = saved_and_loaded
+    loaded = loads[name]
     assert set(loaded) == set(full)
     for key, ref in full.items():
         assert loaded[key].dtype == ref.dtype and torch.equal(loaded[key], ref), key

@@ -11,6 +11,7 @@ import torch
 from conftest import SMALL, assert_same_trajectory, run_training, spawn_ranks
 
 STEPS = 10
+NO_FINAL_SAVE = ["checkpoint.save_last=false"]  # for runs whose checkpoint nothing reads
 LAYOUTS = {
     "dp2": ["trainer.devices=2"],
     "dp4": ["trainer.devices=4"],
@@ -23,7 +24,7 @@ LAYOUTS = {
 def test_losses_equal_plain_optimizer(layout, tmp_path):
     # fp32 on both sides, the same layout: the only difference is where Adam runs and how grads
     # and params travel (reduce-scatter + all-gather instead of all-reduce).
-    common = [*SMALL, f"trainer.max_steps={STEPS}", *LAYOUTS[layout]]
+    common = [*SMALL, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *LAYOUTS[layout]]
     plain = run_training(common, tmp_path / "plain")
     ours = run_training([*common, "optim.distributed_optimizer=true"], tmp_path / "zero1")
     assert len(ours) == len(plain) == STEPS
@@ -62,10 +63,16 @@ def _state_bytes(rank, world, distributed, dtype):
             "buckets": len(buffer.buckets)}
 
 
+def _state_bytes_both(rank, world, dtype):
+    """``_state_bytes`` of the plain and of the distributed optimizer, in one process group."""
+    return {distributed: _state_bytes(rank, world, distributed, dtype) for distributed in (False, True)}
+
+
 @pytest.mark.parametrize("dp,dtype", [(4, "float32"), (2, "bfloat16")])
 def test_optimizer_state_is_one_dp_th(dp, dtype):
-    plain = spawn_ranks(_state_bytes, dp, False, dtype)
-    sharded = spawn_ranks(_state_bytes, dp, True, dtype)
+    both = spawn_ranks(_state_bytes_both, dp, dtype)
+    plain = {rank: r[False] for rank, r in both.items()}
+    sharded = {rank: r[True] for rank, r in both.items()}
     n = plain[0]["params"]
     # Plain: every rank holds Adam's two fp32 moments of every parameter (and fp32 main weights
     # for bf16); sharded: the ranks' shards partition them exactly.
@@ -82,18 +89,26 @@ def test_optimizer_state_is_one_dp_th(dp, dtype):
             assert r["main"] == 0  # fp32 Adam updates the model's own (gathered) parameter buffer
 
 
+CROSS = [*SMALL, "precision=fp64", "trainer.max_steps=6"]
+
+
+@pytest.fixture(scope="module")
+def whole_plain_dp2(tmp_path_factory):
+    """The uninterrupted plain run both directions below are compared with."""
+    return run_training([*CROSS, *NO_FINAL_SAVE, "trainer.devices=2"], tmp_path_factory.mktemp("whole"))
+
+
 @pytest.mark.parametrize("first,saved_at,second,loaded_at", [("true", 4, "false", 2), ("false", 2, "true", 4)])
-def test_checkpoint_loads_across_optimizers(first, saved_at, second, loaded_at, tmp_path):
+def test_checkpoint_loads_across_optimizers(whole_plain_dp2, first, saved_at, second, loaded_at, tmp_path):
     # ZeRO-1 at dp4 -> plain at dp2, and plain at dp2 -> ZeRO-1 at dp4 (whose shards differ from
     # any dp2 ones): each rank writes only its own pieces, described by their place in the logical
     # tensors, so the resumed steps equal an uninterrupted plain run.
-    common = [*SMALL, "precision=fp64", "trainer.max_steps=6"]
-    whole = run_training([*common, "trainer.devices=2"], tmp_path / "whole")
+    common, whole = CROSS, whole_plain_dp2
     ckpt = tmp_path / "ckpt"
     run_training([*common, f"trainer.devices={saved_at}", "trainer.max_steps=3", f"optim.distributed_optimizer={first}",
                   f"checkpoint.dir={ckpt}"], tmp_path / "first")
-    resumed = run_training([*common, f"trainer.devices={loaded_at}", f"optim.distributed_optimizer={second}",
-                            f"checkpoint.dir={ckpt}"], tmp_path / "second")
+    resumed = run_training([*common, *NO_FINAL_SAVE, f"trainer.devices={loaded_at}",
+                            f"optim.distributed_optimizer={second}", f"checkpoint.dir={ckpt}"], tmp_path / "second")
     assert [int(r["step"]) for r in resumed] == [3, 4, 5]
     assert_same_trajectory(resumed, whole[3:], rel=1e-9, keys=("loss", "grad_norm"))
 

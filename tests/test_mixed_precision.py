@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from conftest import SMALL, assert_same_trajectory, compose_config, run_training, spawn_ranks
 
-STEPS = 20
-VALIDATE = ["trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
+STEPS = 10
+# One thread (a single-process run would otherwise take both cores and spin in OpenMP while other
+# processes wait), and no final checkpoint where nothing reads it.
+ONE_THREAD = ["trainer.num_threads=1"]
+NO_FINAL_SAVE = ["checkpoint.save_last=false"]
+VALIDATE = ["trainer.val_check_interval=5", "trainer.limit_val_batches=2"]
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    return run_training([*SMALL, f"trainer.max_steps={STEPS}", *VALIDATE], tmp_path_factory.mktemp("fp32"))
+    return run_training([*SMALL, *ONE_THREAD, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE],
+                        tmp_path_factory.mktemp("fp32"))
 
 
 @pytest.mark.parametrize("precision,layout", [("bf16", []), ("fp16", []), ("bf16", ["trainer.devices=2", "parallel=tp2"]),
@@ -24,10 +31,13 @@ def test_tracks_fp32_loss(fp32, precision, layout, tmp_path):
     # relative rounding error of up to 2^-9 ~ 2e-3. Losses are means over 256 tokens of ~6-nat
     # cross entropies, which average these errors down, and the fp32 main weights keep the
     # updates themselves exact; measured here the gap stays below 3e-4 relative over 20 steps
-    # (fp16, 11 bits: below 5e-5). 2e-3 (one bf16 ulp) leaves room for other shapes and seeds,
-    # while a real bug (a lost update, a 16-bit accumulation, an unscaled gradient) moves the
-    # loss by far more: a skipped step alone changes the step-20 loss by ~1e-2.
-    rows = run_training([*SMALL, f"trainer.max_steps={STEPS}", *VALIDATE, f"precision={precision}", *layout], tmp_path)
+    # (fp16, 11 bits: below 5e-5), so over the 10 run here too. 2e-3 (one bf16 ulp) leaves room
+    # for other shapes and seeds, while a real bug (a lost update, a 16-bit accumulation, an
+    # unscaled gradient) moves the loss by far more: a skipped step alone changed the step-20
+    # loss by ~1e-2, and over these 10 steps the fp32 loss falls by ~7e-3 relative per step
+    # (6.23 to 5.79), so a lost update is several tolerances away from step 5 on.
+    rows = run_training([*SMALL, *ONE_THREAD, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE,
+                         f"precision={precision}", *layout], tmp_path)
     train = [r for r in rows if "loss" in r]
     ref_train = [r for r in fp32 if "loss" in r]
     assert len(train) == STEPS
@@ -99,22 +109,36 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
         assert changed1 and scale1 == 32768.0 and skipped1 == 1, rank  # and training continues
 
 
+BF16_3_STEPS = [*SMALL, *ONE_THREAD, "precision=bf16", "trainer.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """The checkpoint of a 3-step single-process bf16 run (tests read it, or copy it first)."""
+    ckpt = tmp_path_factory.mktemp("bf16") / "ckpt"
+    run_training([*BF16_3_STEPS, f"checkpoint.dir={ckpt}"], ckpt.parent / "run")
+    return ckpt
+
+
 @pytest.mark.parametrize("layout", [[], ["trainer.devices=2", "optim.distributed_optimizer=true"]],
                          ids=["plain", "dp2_distributed_optimizer"])
-def test_bf16_resume_restores_fp32_main_weights(layout, tmp_path):
+def test_bf16_resume_restores_fp32_main_weights(bf16_checkpoint, layout, tmp_path):
     # The model holds bf16 weights; Adam's fp32 main weights carry the bits the model lacks (under
     # ZeRO-1 they and the Adam state live in shards: saved gathered, loaded back into each rank's
     # pieces). A resumed run equals the uninterrupted one bit for bit only if the checkpoint kept them.
-    common = [*SMALL, "precision=bf16", "trainer.max_steps=6", *layout]
-    whole = run_training(common, tmp_path / "whole")
+    common = [*SMALL, *ONE_THREAD, "precision=bf16", "trainer.max_steps=6", *layout]
+    whole = run_training([*common, *NO_FINAL_SAVE], tmp_path / "whole")
     ckpt = tmp_path / "ckpt"
-    run_training([*common, "trainer.max_steps=3", f"checkpoint.dir={ckpt}"], tmp_path / "first")
-    resumed = run_training([*common, f"checkpoint.dir={ckpt}"], tmp_path / "second")
+    if layout:
+        run_training([*common, "trainer.max_steps=3", f"checkpoint.dir={ckpt}"], tmp_path / "first")
+    else:  # the same run as the shared one: [*BF16_3_STEPS, checkpoint.dir]
+        shutil.copytree(bf16_checkpoint, ckpt)
+    resumed = run_training([*common, *NO_FINAL_SAVE, f"checkpoint.dir={ckpt}"], tmp_path / "second")
     assert [int(r["step"]) for r in resumed] == [3, 4, 5]
     assert_same_trajectory(resumed, whole[3:], rel=0, keys=("loss",))
 
 
-def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(tmp_path):
+def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(bf16_checkpoint, tmp_path):
     # Read back with torch's own DCP converter (independent of our loader): the checkpoint holds
     # the bf16 model and its fp32 main weights, the former the rounding of the latter; an fp32
     # model loading it gets the fp32 main weights, not the rounded copy.
@@ -125,9 +149,7 @@ def test_bf16_checkpoint_keeps_fp32_main_weights_that_an_fp32_model_loads(tmp_pa
     from megatron_hydra.models.gpt import GPTModel
     from megatron_hydra.parallel.state import ParallelState
 
-    ckpt = tmp_path / "ckpt"
-    run_training([*SMALL, "precision=bf16", "trainer.max_steps=3", f"checkpoint.dir={ckpt}"], tmp_path / "run")
-    step_dir = next(ckpt.glob("step_*"))
+    step_dir = bf16_checkpoint / "step_0000003"
     dcp_to_torch_save(str(step_dir), str(tmp_path / "whole.pt"))
     saved = torch.load(tmp_path / "whole.pt", weights_only=True)
     names = [k[len("main/"):] for k in saved if k.startswith("main/")]

@@ -23,11 +23,15 @@ from megatron_hydra.errors import ConfigError
 STEPS = 10
 MOE = [*SMALL, "model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
        "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=500", "model.ffn_hidden_size=64",
-       "model.moe.ffn_hidden_size=32", "precision=fp64", f"trainer.max_steps={STEPS}"]
+       "model.moe.ffn_hidden_size=32", "precision=fp64", f"trainer.max_steps={STEPS}",
+       # No final checkpoint (the resharding checks below use the periodic ones), and one thread: a
+       # single-process run would otherwise take both cores and spin in OpenMP while others wait.
+       "checkpoint.save_last=false", "trainer.num_threads=1"]
 # DeepSeek-style routing: sigmoid scores, aux-free selection bias, a shared expert, z-loss, the
-# second layer MoE only; checkpoints every 5 steps (resharded below).
+# second layer MoE only; a checkpoint at step 8 (resharded below: two resumed steps show the
+# continuation, the router's selection bias included).
 DEEPSEEK = ["model.moe.router=sigmoid", "model.moe.expert_bias_rate=0.01", "model.moe.shared_ffn_hidden_size=32",
-            "model.moe.z_loss_coeff=0.001", "model.moe.layer_freq=[0,1]", "checkpoint.every_n_steps=5",
+            "model.moe.z_loss_coeff=0.001", "model.moe.layer_freq=[0,1]", "checkpoint.every_n_steps=8",
             "checkpoint.keep_last=0"]
 FORMS = {"mixtral": [], "deepseek": DEEPSEEK}
 
@@ -72,12 +76,12 @@ def test_ep_losses_equal_single_process(single, name, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert all(r["moe_aux_loss"] > 0 and r["moe_load_imbalance"] >= 1 for r in rows)
     if name == "ep2":  # an ep2 checkpoint resumes at ep1; an ep1 one at ep4 with the distributed optimizer
-        halfway = "checkpoints/step_0000005"
-        resumed = run_training([*MOE, *FORMS[form], f"checkpoint.load={tmp_path / halfway}"], tmp_path / "at_ep1")
-        assert_same_trajectory(resumed, reference[5:], rel=1e-9)
+        saved = "checkpoints/step_0000008"
+        resumed = run_training([*MOE, *FORMS[form], f"checkpoint.load={tmp_path / saved}"], tmp_path / "at_ep1")
+        assert_same_trajectory(resumed, reference[8:], rel=1e-9)
         resumed = run_training([*MOE, *FORMS[form], *ep(4, 4, "optim.distributed_optimizer=true"),
-                                f"checkpoint.load={single_dir / halfway}"], tmp_path / "at_ep4")
-        assert_same_trajectory(resumed, reference[5:], rel=1e-9)
+                                f"checkpoint.load={single_dir / saved}"], tmp_path / "at_ep4")
+        assert_same_trajectory(resumed, reference[8:], rel=1e-9)
 
 
 def test_capacity_dropping_is_deterministic_and_logged(tmp_path):
