@@ -8,7 +8,6 @@ and Korthikanti et al. 2022's closed forms typed in from the paper.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -145,7 +144,9 @@ def test_moe_plan_equals_the_bytes_a_run_allocates(layout, tmp_path):
 
 # Activations measured against the formulas ---------------------------------------------------------
 
-H, HEADS, SEQ, MICRO = 512, 8, 512, 2  # GPT-like: ffn = 4h, head size 64; 5as/h = 40 of 74 units
+# GPT-like: ffn = 4h; 5as/h = 40 of 74 units. Head size 32: the terms' proportions of h = s = 512 with
+# head size 64, at an eighth of its compute.
+H, HEADS, SEQ, MICRO = 256, 8, 256, 2
 
 
 def _block_config(dropout: float, granularity=None, tp: int = 1, sp: bool = False) -> TransformerConfig:
@@ -222,13 +223,39 @@ def test_measured_activations_under_tensor_and_sequence_parallelism():
 # Plan mode and the launcher's check ---------------------------------------------------------------
 
 
-def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path):
+def launch_in_process(monkeypatch, capsys, *overrides: str) -> str:
+    """``python launch.py *overrides`` (its ``cli``: Hydra's parsing, the run dir, the launcher) in
+    this process; its exit status must be 0; returns what it printed. A fresh interpreter would
+    only add the import of torch and Lightning (seconds of CPU)."""
+    import importlib.util
+    import logging
+
+    spec = importlib.util.spec_from_file_location("launch", ROOT / "launch.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    monkeypatch.setattr(sys, "argv", ["launch.py", *overrides])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # cli sets it; restored after the test
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    capsys.readouterr()
+    try:
+        code = launch.cli()
+    finally:  # Hydra configured logging for its job (a file in the run dir): undo it
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path, monkeypatch, capsys):
     # 2 micro-batches on 16 stages: every middle stage holds the same activations (one merged row).
-    cmd = [sys.executable, str(ROOT / "launch.py"), "model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8",
-           "trainer.num_nodes=16", "data.global_batch_size=8", "mode=plan", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    out = launch_in_process(monkeypatch, capsys, "model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8",
+                            "trainer.num_nodes=16", "data.global_batch_size=8", "mode=plan",
+                            f"hydra.run.dir={tmp_path}")
+    lines = out.splitlines()
     assert lines[0].startswith("memory plan: model=gpt_175b, 128 ranks = tp 8 x pp 16 x dp 1")
     rows = {line.split("  ")[0]: line for line in lines[2:5]}
     assert list(rows) == ["pp0 (first stage)", "pp1-14", "pp15 (last stage)"]
