@@ -1,18 +1,15 @@
 """BERT: parity with Hugging Face's BertForMaskedLM / BertForPreTraining (weights converted by
 ``convert.bert``, and back); the convert CLI's import then export giving back transformers'
 tensors exactly, and its printed fine-tune command running; tp2 x dp2 and pp2 (with full
-recomputation) training equal to the single process over 10 steps in float64 (losses, grad norms,
+recomputation) training equal to the single process over 6 steps in float64 (losses, grad norms,
 validation), and a tp2 x dp2 checkpoint continued under pp2."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, assert_same_trajectory, run_training
+from conftest import SMALL, assert_same_trajectory, run_training
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
@@ -21,6 +18,7 @@ from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.models.bert import BertModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
+from test_data_training import launch_py
 
 try:
     import transformers
@@ -158,25 +156,31 @@ def test_cli_import_then_printed_fine_tune_command(corpus, tmp_path, env_no_laun
     blend = "data.blend=[path/to/corpus_text_document]"
     assert blend in command
     command[command.index(blend)] = f"data.blend=[{corpus}]"
-    run = subprocess.run([sys.executable, str(ROOT / "launch.py"), *command[2:], "data.tokenizer.type=byte",
-                          "data.split=[90,10,0]", "model.seq_length=32", "data.micro_batch_size=2",
-                          "data.global_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0",
-                          "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, cwd=ROOT, env=env_no_launcher)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert f"resumed from {ckpt} at step 0" in run.stderr + run.stdout
+    code = launch_py([*command[2:], "data.tokenizer.type=byte", "data.split=[90,10,0]", "model.seq_length=32",
+                      "data.micro_batch_size=2", "data.global_batch_size=2", "trainer.max_steps=1",
+                      "optim.warmup_steps=0", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                     env_no_launcher)
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert f"resumed from {ckpt} at step 0" in out.err + out.out
 
 
 # Training: tp2 and pp2 equal the single process ------------------------------------------------
 
-STEPS = 10
+# Six steps: a mismatch in the layouts' forward, backward or sharded optimizer state shows in the first
+# three (float64, 1e-9), and validation runs twice, at MIDDLE and at the end.
+STEPS, MIDDLE = 6, 3
 
 
 def bert_run(corpus: str, *extra: str):
+    """No final checkpoint (``checkpoint.save_last=false``): only the tp2 run's mid-run one is read.
+    One intra-op thread (the single process runs in the pytest process, on cores the suite's other
+    worker and ranks share; the ranks have one each anyway)."""
     model = [o for o in SMALL if not o.startswith("data=")]
     return [*model, "model.arch=bert", "model.binary_head=true", "data=indexed_bert", f"data.blend=[{corpus}]",
             "data.tokenizer.type=byte", "data.split=[90,10,0]", "precision=fp64", f"trainer.max_steps={STEPS}",
-            "trainer.val_check_interval=5", "trainer.limit_val_batches=2", *extra]
+            f"trainer.val_check_interval={MIDDLE}", "trainer.limit_val_batches=2", "checkpoint.save_last=false",
+            "trainer.num_threads=1", *extra]
 
 
 def train_rows(rows):
@@ -205,9 +209,9 @@ def _assert_equal_losses(rows, ref):
 
 @pytest.fixture(scope="module")
 def tp2(corpus, tmp_path_factory):
-    """tp2 x dp2 (the layout of the README's BERT command), saving a checkpoint at step 5."""
+    """tp2 x dp2 (the layout of the README's BERT command), saving a checkpoint at step MIDDLE."""
     run_dir = tmp_path_factory.mktemp("tp2")
-    ckpt = ["checkpoint.every_n_steps=5", "checkpoint.keep_last=0"]
+    ckpt = [f"checkpoint.every_n_steps={MIDDLE}", "checkpoint.keep_last=0"]
     return run_training(bert_run(corpus, "parallel=tp2", "trainer.devices=4", *ckpt), run_dir), run_dir
 
 
@@ -230,7 +234,7 @@ def test_pp2_losses_equal_single_process(corpus, single, tmp_path):
 def test_tp2_dp2_checkpoint_resumes_under_pp2(corpus, single, tp2, tmp_path):
     # The masked-LM bias is a padded vocabulary table like the embedding: resharded by logical rows.
     _, run_dir = tp2
-    ckpt = run_dir / "checkpoints" / "step_0000005"
+    ckpt = run_dir / "checkpoints" / f"step_{MIDDLE:07d}"
     rows = run_training(bert_run(corpus, "parallel=pp2", "trainer.devices=2", f"checkpoint.load={ckpt}"), tmp_path)
-    assert [r["step"] for r in train_rows(rows)] == list(range(5, STEPS))
-    _assert_equal_losses(rows, train_rows(single)[5:])
+    assert [r["step"] for r in train_rows(rows)] == list(range(MIDDLE, STEPS))
+    _assert_equal_losses(rows, train_rows(single)[MIDDLE:])

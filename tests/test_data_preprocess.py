@@ -2,11 +2,13 @@
 
 import json
 import os
-import subprocess
+import runpy
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.pool import ThreadPool
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -140,16 +142,27 @@ def test_arguments_are_typed_overrides():
         pp.parse_args(["input=a"])
 
 
-def test_command_line(tmp_path):
+def _python_m_preprocess(*argv: str) -> int:
+    """``python -m megatron_hydra.data.preprocess *argv`` run as the interpreter runs ``-m`` (the
+    module's ``__main__`` block), in this process: a fresh interpreter would only add its start.
+    Returns the exit status."""
+    with mock.patch.object(sys, "argv", ["preprocess", *argv]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already (by this file)
+        try:
+            runpy.run_module("megatron_hydra.data.preprocess", run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            return stop.code
+    raise AssertionError("the module's __main__ block did not exit")
+
+
+def test_command_line(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    ok = subprocess.run([sys.executable, "-m", "megatron_hydra.data.preprocess", f"input={src}",
-                         f"output_prefix={tmp_path}/cli"], capture_output=True, text=True, env=env)
-    assert ok.returncode == 0, ok.stderr
-    assert "MB/s" in ok.stderr and os.path.exists(f"{tmp_path}/cli_text_document.idx")
-    bad = subprocess.run([sys.executable, "-m", "megatron_hydra.data.preprocess", "input=x.jsonl"],
-                         capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: output_prefix is required, e.g. output_prefix=..."
+    code = _python_m_preprocess(f"input={src}", f"output_prefix={tmp_path}/cli")
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "MB/s" in err and os.path.exists(f"{tmp_path}/cli_text_document.idx")
+    assert _python_m_preprocess("input=x.jsonl") == 2
+    assert capsys.readouterr().err.strip() == "error: output_prefix is required, e.g. output_prefix=..."
 
 
 def test_read_ahead_is_bounded():

@@ -3,15 +3,46 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
-import subprocess
+import os
+import runpy
+import sys
+from typing import Dict, List
+from unittest import mock
 
 import pytest
 
-from conftest import SMALL, launch_cmd, run_training
+from conftest import ROOT, SMALL, run_training
 from megatron_hydra.data import preprocess as pp
 
 MODEL = [o for o in SMALL if not o.startswith("data=")]
+
+
+def launch_py(argv: List[str], env: Dict[str, str]) -> int:
+    """``python launch.py *argv`` (from the repository root, in environment ``env``) run as the
+    interpreter runs a script, but in this process: the script's own ``__main__`` block, Hydra's
+    command-line parsing, output dir and logging included. Returns the exit status. A fresh
+    interpreter would add seconds of importing torch and Lightning, and no test using this one is
+    about the process boundary (test_launcher*.py are). The environment, working directory, argv and
+    the root logger's handlers (Hydra's, writing to this test's captured streams) are restored
+    after."""
+    root = logging.getLogger()
+    handlers, level, cwd = root.handlers[:], root.level, os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with mock.patch.dict(os.environ, env, clear=True), mock.patch.object(sys, "argv", ["launch.py", *argv]):
+            runpy.run_path(str(ROOT / "launch.py"), run_name="__main__")
+    except SystemExit as stop:  # launch.py always ends with sys.exit(cli())
+        return stop.code
+    finally:
+        os.chdir(cwd)
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    raise AssertionError("launch.py returned without sys.exit")
 
 
 def _corpus(tmp_path, name, text, docs=40):
@@ -25,7 +56,7 @@ def test_blend_with_validation_logs_val_loss_and_ppl(tmp_path):
     a, b = _corpus(tmp_path, "a", "alpha beta"), _corpus(tmp_path, "b", "gamma delta")
     rows = run_training([*MODEL, "data=indexed", f"data.blend=[0.3,{a},0.7,{b}]", "data.split=[80,20,0]",
                          "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
-                         "trainer.devices=2"], tmp_path / "run")
+                         "trainer.devices=2", "checkpoint.save_last=false"], tmp_path / "run")  # no checkpoint read
     val = [r for r in rows if "val_loss" in r]
     assert len(val) == 2  # after steps 2 and 4
     for r in val:
@@ -34,12 +65,12 @@ def test_blend_with_validation_logs_val_loss_and_ppl(tmp_path):
     assert len(train) == 4 and train[-1]["loss"] < train[0]["loss"]
 
 
-def test_bad_blend_fails_before_workers_start(tmp_path, env_no_launcher):
-    out = subprocess.run(launch_cmd(*MODEL, "data=indexed", f"data.blend=[{tmp_path / 'missing_text_document'}]",
-                                    "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"),
-                         capture_output=True, text=True, timeout=120, env=env_no_launcher)
-    assert out.returncode == 2
-    assert "missing_text_document" in out.stderr and "Traceback" not in out.stderr
+def test_bad_blend_fails_before_workers_start(tmp_path, env_no_launcher, capfd):
+    code = launch_py([*MODEL, "data=indexed", f"data.blend=[{tmp_path / 'missing_text_document'}]",
+                      "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"], env_no_launcher)
+    err = capfd.readouterr().err
+    assert code == 2
+    assert "missing_text_document" in err and "Traceback" not in err
     assert not list((tmp_path / "run").glob("rank*.error"))  # no worker ever started
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, compose_config, spawn_ranks
+from conftest import compose_config, spawn_ranks
+from test_data_training import launch_py
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,6 +148,7 @@ def _layout_logits(ckpt, layout, world, tokens):
 
 
 def _all_layouts(rank, world, ckpts, tokens):
+    torch.set_num_threads(1)  # two ranks on two cores
     return {(kind, name): _layout_logits(ckpts[kind], LAYOUTS[name], world, tokens) for kind, name in CASES}
 
 
@@ -197,12 +197,12 @@ def test_cli_import_then_documented_fine_tune_command(models, tmp_path, env_no_l
     assert main(["from_hf", f"input={hf_dir}", f"output={ckpt}", "name=tiny"]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert command[:2] == ["python", "launch.py"] and f"checkpoint.load={ckpt}" in command
-    run = subprocess.run([sys.executable, str(ROOT / "launch.py"), *command[2:], "data=synthetic", "model.seq_length=32",
-                          "data.micro_batch_size=2", "data.global_batch_size=2", "trainer.max_steps=1",
-                          "optim.warmup_steps=0", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, cwd=ROOT, env=env_no_launcher)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert f"resumed from {ckpt} at step 0" in run.stderr + run.stdout
+    code = launch_py([*command[2:], "data=synthetic", "model.seq_length=32", "data.micro_batch_size=2",
+                      "data.global_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0",
+                      "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"], env_no_launcher)
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert f"resumed from {ckpt} at step 0" in out.err + out.out
 
 
 # Bad input: one line naming the file or key ------------------------------------------------------

@@ -8,6 +8,7 @@ packages of a lower level. Function-level imports count too (they are imports al
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections import defaultdict
@@ -33,11 +34,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _import_nodes(path: Path) -> tuple:
+    """Every import statement of ``path``, anywhere in the file (parsed once for all the tests)."""
+    return tuple(node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
 def _imports(path: Path):
     """The megatron_hydra modules that ``path`` imports, anywhere in the file."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _import_nodes(path):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("megatron_hydra"))
         elif isinstance(node, ast.ImportFrom):
@@ -49,7 +56,7 @@ def _imports(path: Path):
 
 
 def _external_imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _import_nodes(path):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:

@@ -10,8 +10,6 @@ an imported Hugging Face model runs once, as written, on a tiny random GPT-2.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +22,8 @@ from megatron_hydra.data.packing import best_fit_packs
 from megatron_hydra.data.sft_dataset import SFTDataset, SFTSamples, read_conversations
 from megatron_hydra.data.tokenizers import HFTokenizer
 from megatron_hydra.errors import ConfigError, DataError
+from test_data_training import launch_py
 
-ROOT = Path(__file__).resolve().parents[1]
 EOD = 256  # the byte tokenizer's end of document
 
 
@@ -253,10 +251,13 @@ def _chat_rows(count: int, seed: int):
 @pytest.fixture(scope="module")
 def sft_single(tmp_path_factory):
     """The overrides of a 3-step float64 SFT run and its single-process metrics. Conversations of
-    50-80 tokens, packed 2-3 to a sequence of 160, so positions restart within sequences."""
+    50-80 tokens, packed 2-3 to a sequence of 160, so positions restart within sequences. No run
+    saves a checkpoint (nothing reads one); the single process, which runs in the pytest process,
+    uses one intra-op thread (the suite's other worker and ranks share the cores)."""
     path = _write_jsonl(tmp_path_factory.mktemp("sft_data") / "chat.jsonl", _chat_rows(80, 0))
     base = [*SMALL, *LLAMA, "data=sft", f"data.path={path}", "data.tokenizer.type=byte", "model.seq_length=160",
-            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.async_save=false"]
+            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.save_last=false",
+            "trainer.num_threads=1"]
     return base, run_training(base, tmp_path_factory.mktemp("sft_single"))
 
 
@@ -273,7 +274,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_fine_tune_an_imported_gpt2_on_chat(tmp_path, env_no_launcher):
+def test_fine_tune_an_imported_gpt2_on_chat(tmp_path, env_no_launcher, capsys):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
     from megatron_hydra.convert.api import from_hf
@@ -293,12 +294,12 @@ def test_fine_tune_an_imported_gpt2_on_chat(tmp_path, env_no_launcher):
     ckpt = tmp_path / "ckpt"
     from_hf(str(hf), str(ckpt), name="hf")
     chat = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "what is two plus two?", "response": "four."}] * 8)
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "--config-dir", str(ckpt), "model=hf", "data=sft",
-         f"data.path={chat}", f"checkpoint.load={ckpt}", "checkpoint.load_optimizer=false",
-         "data.micro_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0", "trainer.enable_progress_bar=false",
-         "trainer.generate_sample_tokens=0", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, cwd=ROOT, env=env_no_launcher)
-    out = run.stderr + run.stdout
-    assert run.returncode == 0, out[-2000:]
+    code = launch_py(
+        ["--config-dir", str(ckpt), "model=hf", "data=sft", f"data.path={chat}", f"checkpoint.load={ckpt}",
+         "checkpoint.load_optimizer=false", "data.micro_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0",
+         "trainer.enable_progress_bar=false", "trainer.generate_sample_tokens=0", f"hydra.run.dir={tmp_path / 'run'}"],
+        env_no_launcher)
+    captured = capsys.readouterr()
+    out = captured.err + captured.out
+    assert code == 0, out[-2000:]
     assert f"resumed from {ckpt} at step 0" in out and "chat_template of" in out
