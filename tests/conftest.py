@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import logging
 import multiprocessing
 import os
 import pickle
+import runpy
 import sys
 import time
 
@@ -198,6 +200,32 @@ def spawn_ranks(fn: Callable, world: int, *args) -> Dict[int, object]:
 
 def launch_cmd(*overrides: str) -> List[str]:
     return [sys.executable, str(ROOT / "launch.py"), *overrides]
+
+
+def launch_py(argv: List[str], env: Dict[str, str]) -> int:
+    """``python launch.py *argv`` (from the repository root, in environment ``env``) run as the
+    interpreter runs a script, but in this process: the script's own ``__main__`` block, Hydra's
+    command-line parsing, output dir and logging included. Returns the exit status. A fresh
+    interpreter would add seconds of importing torch and Lightning, and no test using this one is
+    about the process boundary (test_launcher*.py are). The environment, working directory, argv and
+    the root logger's handlers (Hydra's, writing to this test's captured streams) are restored
+    after."""
+    root = logging.getLogger()
+    handlers, level, cwd = root.handlers[:], root.level, os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with mock.patch.dict(os.environ, env, clear=True), mock.patch.object(sys, "argv", ["launch.py", *argv]):
+            runpy.run_path(str(ROOT / "launch.py"), run_name="__main__")
+    except SystemExit as stop:  # launch.py always ends with sys.exit(cli())
+        return stop.code
+    finally:
+        os.chdir(cwd)
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    raise AssertionError("launch.py returned without sys.exit")
 
 
 @pytest.fixture

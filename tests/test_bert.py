@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_trajectory, run_training
+from conftest import SMALL, assert_same_trajectory, launch_py, run_training
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
@@ -18,7 +18,6 @@ from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.models.bert import BertModel
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
-from test_data_training import launch_py
 
 try:
     import transformers

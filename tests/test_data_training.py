@@ -3,46 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import runpy
-import sys
-from typing import Dict, List
-from unittest import mock
 
 import pytest
 
-from conftest import ROOT, SMALL, run_training
+from conftest import SMALL, launch_py, run_training
 from megatron_hydra.data import preprocess as pp
 
 MODEL = [o for o in SMALL if not o.startswith("data=")]
-
-
-def launch_py(argv: List[str], env: Dict[str, str]) -> int:
-    """``python launch.py *argv`` (from the repository root, in environment ``env``) run as the
-    interpreter runs a script, but in this process: the script's own ``__main__`` block, Hydra's
-    command-line parsing, output dir and logging included. Returns the exit status. A fresh
-    interpreter would add seconds of importing torch and Lightning, and no test using this one is
-    about the process boundary (test_launcher*.py are). The environment, working directory, argv and
-    the root logger's handlers (Hydra's, writing to this test's captured streams) are restored
-    after."""
-    root = logging.getLogger()
-    handlers, level, cwd = root.handlers[:], root.level, os.getcwd()
-    try:
-        os.chdir(ROOT)
-        with mock.patch.dict(os.environ, env, clear=True), mock.patch.object(sys, "argv", ["launch.py", *argv]):
-            runpy.run_path(str(ROOT / "launch.py"), run_name="__main__")
-    except SystemExit as stop:  # launch.py always ends with sys.exit(cli())
-        return stop.code
-    finally:
-        os.chdir(cwd)
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    raise AssertionError("launch.py returned without sys.exit")
 
 
 def _corpus(tmp_path, name, text, docs=40):

@@ -15,8 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import compose_config, spawn_ranks
-from test_data_training import launch_py
+from conftest import compose_config, launch_py, spawn_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,11 @@ and Korthikanti et al. 2022's closed forms typed in from the paper.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, compose_config, spawn_ranks
+from conftest import SMALL, compose_config, launch_py, spawn_ranks
 from megatron_hydra.config import derive
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
@@ -223,39 +222,14 @@ def test_measured_activations_under_tensor_and_sequence_parallelism():
 # Plan mode and the launcher's check ---------------------------------------------------------------
 
 
-def launch_in_process(monkeypatch, capsys, *overrides: str) -> str:
-    """``python launch.py *overrides`` (its ``cli``: Hydra's parsing, the run dir, the launcher) in
-    this process; its exit status must be 0; returns what it printed. A fresh interpreter would
-    only add the import of torch and Lightning (seconds of CPU)."""
-    import importlib.util
-    import logging
-
-    spec = importlib.util.spec_from_file_location("launch", ROOT / "launch.py")
-    launch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launch)
-    monkeypatch.setattr(sys, "argv", ["launch.py", *overrides])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # cli sets it; restored after the test
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path, env_no_launcher, capsys):
+    # 2 micro-batches on 16 stages: every middle stage holds the same activations (one merged row).
     capsys.readouterr()
-    try:
-        code = launch.cli()
-    finally:  # Hydra configured logging for its job (a file in the run dir): undo it
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:], root.level = handlers, level
+    code = launch_py(["model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=16",
+                      "data.global_batch_size=8", "mode=plan", f"hydra.run.dir={tmp_path}"], env_no_launcher)
     out = capsys.readouterr()
     assert code == 0, out.err
-    return out.out
-
-
-def test_plan_mode_prints_the_table_and_starts_nothing(tmp_path, monkeypatch, capsys):
-    # 2 micro-batches on 16 stages: every middle stage holds the same activations (one merged row).
-    out = launch_in_process(monkeypatch, capsys, "model=gpt_175b", "parallel=tp8_pp16", "trainer.devices=8",
-                            "trainer.num_nodes=16", "data.global_batch_size=8", "mode=plan",
-                            f"hydra.run.dir={tmp_path}")
-    lines = out.splitlines()
+    lines = out.out.splitlines()
     assert lines[0].startswith("memory plan: model=gpt_175b, 128 ranks = tp 8 x pp 16 x dp 1")
     rows = {line.split("  ")[0]: line for line in lines[2:5]}
     assert list(rows) == ["pp0 (first stage)", "pp1-14", "pp15 (last stage)"]

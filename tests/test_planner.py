@@ -5,11 +5,10 @@ and mode=plan_layouts printing commands that compose into the planned layout."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, launch_py
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.planning import sc21
@@ -104,14 +103,13 @@ def test_plan_layouts_without_a_cluster_is_a_config_error():
         run_planner(compose_config(["model=gpt_8b", "mode=plan_layouts"]))
 
 
-def test_plan_layouts_prints_runnable_commands(env_no_launcher, tmp_path, monkeypatch, capsys):
-    from test_memory_plan import launch_in_process
-
-    for key in set(os.environ) - set(env_no_launcher):  # a plain shell's environment
-        monkeypatch.delenv(key)
-    out = launch_in_process(monkeypatch, capsys, "model=gpt_8b", "cluster=a100_40g_x64", "mode=plan_layouts",
-                            "data.global_batch_size=256", f"hydra.run.dir={tmp_path}")
-    lines = out.splitlines()
+def test_plan_layouts_prints_runnable_commands(env_no_launcher, tmp_path, capsys):
+    capsys.readouterr()
+    code = launch_py(["model=gpt_8b", "cluster=a100_40g_x64", "mode=plan_layouts", "data.global_batch_size=256",
+                      f"hydra.run.dir={tmp_path}"], env_no_launcher)  # a plain shell's environment
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
     commands = [line.split(None, 1)[1] for line in lines[lines.index("commands:") + 1:]]
     assert len(commands) == 5
     for command in commands:

@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL, assert_same_trajectory, compose_config, run_training
+from conftest import SMALL, assert_same_trajectory, compose_config, launch_py, run_training
 from megatron_hydra.data.builders import build_datasets
 from megatron_hydra.data.chat_template import JinjaTemplate, load_template
 from megatron_hydra.data.packing import best_fit_packs
 from megatron_hydra.data.sft_dataset import SFTDataset, SFTSamples, read_conversations
 from megatron_hydra.data.tokenizers import HFTokenizer
 from megatron_hydra.errors import ConfigError, DataError
-from test_data_training import launch_py
 
 EOD = 256  # the byte tokenizer's end of document
 
