@@ -36,16 +36,23 @@ torch.set_num_threads(1)  # where a plugin imported torch before this file
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
-# The files that take most of the suite's time, longest first (measured with --durations=0). Taken
-# first by the two xdist workers (--dist loadfile), longest first, with the many short files
-# filling in behind them, both workers end at about the same time.
-LONG_FILES = ("test_cluster_launch.py", "test_launcher.py", "test_kill.py", "test_context_parallel_model.py",
-              "test_pipeline_parallel.py", "test_moe_model.py",
-              "test_dry_run.py", "test_launcher_trust.py", "test_memory_plan.py", "test_tensor_parallel_model.py",
-              "test_distributed_optimizer.py", "test_memory_plan_archs.py", "test_checkpoint_errors.py", "test_checkpoint_resume.py",
-              "test_fsdp.py", "test_mixed_precision.py", "test_recompute.py", "test_config.py", "test_planner.py",
-              "test_host_sync.py", "test_checkpoint_async.py", "test_t5.py", "test_data_parallel.py",
-              "test_context_parallel_attention.py", "test_expert_gradients.py", "test_moe_layer.py")
+# The files that take most of the suite's time, longest first (summed durations of a full run).
+# Handed out in this order to the two xdist workers (--dist loadfile), with the many short files
+# filling in behind them, both workers end at about the same time. xdist itself would hand out the
+# files with the most tests first, which left the few long launch tests for the end of one worker.
+LONG_FILES = ("test_kill.py", "test_dry_run.py", "test_launcher.py", "test_cluster_launch.py", "test_launcher_trust.py",
+              "test_checkpoint_errors.py", "test_distributed_optimizer.py", "test_tensor_parallel_model.py",
+              "test_moe_model.py", "test_memory_plan.py", "test_context_parallel_model.py", "test_pipeline_parallel.py",
+              "test_config.py", "test_memory_plan_archs.py", "test_checkpoint_resume.py", "test_planner.py",
+              "test_mixed_precision.py", "test_bert_t5_data.py", "test_fsdp.py", "test_docs_commands.py",
+              "test_checkpoint_sharded.py", "test_checkpoint_async.py", "test_parallel_state.py",
+              "test_document_masks.py", "test_data_parallel.py", "test_bert.py", "test_t5.py", "test_observability.py",
+              "test_recompute.py", "test_layering.py", "test_expert_gradients.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order below, not xdist's most-tests-first
 
 
 def pytest_collection_modifyitems(session, config, items):
