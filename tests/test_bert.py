@@ -172,14 +172,12 @@ STEPS, MIDDLE = 6, 3
 
 
 def bert_run(corpus: str, *extra: str):
-    """No final checkpoint (``checkpoint.save_last=false``): only the tp2 run's mid-run one is read.
-    One intra-op thread (the single process runs in the pytest process, on cores the suite's other
-    worker and ranks share; the ranks have one each anyway)."""
+    """No final checkpoint (``checkpoint.save_last=false``): only the tp2 run's mid-run one is read."""
     model = [o for o in SMALL if not o.startswith("data=")]
     return [*model, "model.arch=bert", "model.binary_head=true", "data=indexed_bert", f"data.blend=[{corpus}]",
             "data.tokenizer.type=byte", "data.split=[90,10,0]", "precision=fp64", f"trainer.max_steps={STEPS}",
             f"trainer.val_check_interval={MIDDLE}", "trainer.limit_val_batches=2", "checkpoint.save_last=false",
-            "trainer.num_threads=1", *extra]
+            *extra]
 
 
 def train_rows(rows):

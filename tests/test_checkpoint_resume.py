@@ -15,9 +15,7 @@ from conftest import SMALL, assert_same_trajectory, run_training
 
 # Stopped after 2 of 4 steps: two resumed steps show the continuation (the second one starts from
 # state the resumed run produced itself).
-# One thread: a single-process run would otherwise take both cores and spin in OpenMP while other
-# processes wait.
-STEPS = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0", "trainer.num_threads=1"]
+STEPS = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0"]
 
 
 def read_checkpoint(path, tmp_path):

@@ -25,7 +25,6 @@ def build(layout, world):
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
 
-    torch.set_num_threads(1)  # up to 8 ranks on the machine's cores
     cfg = compose_config([*MODEL, f"trainer.devices={world}", *layout])
     derived = derive(cfg)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp) if dist.is_initialized() else ParallelState.single()

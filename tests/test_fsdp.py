@@ -70,16 +70,6 @@ def _layouts(rank, world, names):
     return {name: _run([*LAYOUTS[name.split(":")[-1]][1], *(FSDP if ":" not in name else [])]) for name in names}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for this process's single-process runs (the ranks set their own): the
-    suite's workers already share the cores, and a second OpenMP thread on a busy core makes
-    small ops wait on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def single():
@@ -186,13 +176,12 @@ def test_checkpoints_move_between_fsdp_and_the_other_modes(tmp_path):
     # from its own update.
     from conftest import assert_same_trajectory, run_training
 
-    one_thread = ["trainer.num_threads=1"]  # the single-process legs run in this process
     schedule = [*SMALL, "precision=fp64", "optim.decay_steps=6"]  # the same learning rates in every leg
     common = [*schedule, f"checkpoint.dir={tmp_path / 'ckpt'}"]
-    whole = run_training([*schedule, *one_thread, "trainer.max_steps=6", "checkpoint.save_last=false"], tmp_path / "whole")
+    whole = run_training([*schedule, "trainer.max_steps=6", "checkpoint.save_last=false"], tmp_path / "whole")
     first = run_training([*common, "trainer.max_steps=2", "trainer.devices=4", "parallel=tp2",
                           "optim.distributed_optimizer=true"], tmp_path / "zero1")
     second = run_training([*common, "trainer.max_steps=4", "trainer.devices=4", *FSDP], tmp_path / "fsdp")
-    third = run_training([*common, *one_thread, "trainer.max_steps=6", "checkpoint.save_last=false"], tmp_path / "single")
+    third = run_training([*common, "trainer.max_steps=6", "checkpoint.save_last=false"], tmp_path / "single")
     assert [int(r["step"]) for r in second] == [2, 3] and [int(r["step"]) for r in third] == [4, 5]
     assert_same_trajectory(first + second + third, whole, rel=1e-9, keys=("loss", "grad_norm"))

@@ -147,7 +147,6 @@ def _layout_logits(ckpt, layout, world, tokens):
 
 
 def _all_layouts(rank, world, ckpts, tokens):
-    torch.set_num_threads(1)  # two ranks on two cores
     return {(kind, name): _layout_logits(ckpts[kind], LAYOUTS[name], world, tokens) for kind, name in CASES}
 
 

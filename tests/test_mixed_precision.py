@@ -10,16 +10,14 @@ import torch
 from conftest import SMALL, assert_same_trajectory, compose_config, run_training, spawn_ranks
 
 STEPS = 10
-# One thread (a single-process run would otherwise take both cores and spin in OpenMP while other
-# processes wait), and no final checkpoint where nothing reads it.
-ONE_THREAD = ["trainer.num_threads=1"]
+# No final checkpoint where nothing reads it.
 NO_FINAL_SAVE = ["checkpoint.save_last=false"]
 VALIDATE = ["trainer.val_check_interval=5", "trainer.limit_val_batches=2"]
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    return run_training([*SMALL, *ONE_THREAD, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE],
+    return run_training([*SMALL, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE],
                         tmp_path_factory.mktemp("fp32"))
 
 
@@ -36,7 +34,7 @@ def test_tracks_fp32_loss(fp32, precision, layout, tmp_path):
     # unscaled gradient) moves the loss by far more: a skipped step alone changed the step-20
     # loss by ~1e-2, and over these 10 steps the fp32 loss falls by ~7e-3 relative per step
     # (6.23 to 5.79), so a lost update is several tolerances away from step 5 on.
-    rows = run_training([*SMALL, *ONE_THREAD, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE,
+    rows = run_training([*SMALL, *NO_FINAL_SAVE, f"trainer.max_steps={STEPS}", *VALIDATE,
                          f"precision={precision}", *layout], tmp_path)
     train = [r for r in rows if "loss" in r]
     ref_train = [r for r in fp32 if "loss" in r]
@@ -109,7 +107,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
         assert changed1 and scale1 == 32768.0 and skipped1 == 1, rank  # and training continues
 
 
-BF16_3_STEPS = [*SMALL, *ONE_THREAD, "precision=bf16", "trainer.max_steps=3"]
+BF16_3_STEPS = [*SMALL, "precision=bf16", "trainer.max_steps=3"]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +124,7 @@ def test_bf16_resume_restores_fp32_main_weights(bf16_checkpoint, layout, tmp_pat
     # The model holds bf16 weights; Adam's fp32 main weights carry the bits the model lacks (under
     # ZeRO-1 they and the Adam state live in shards: saved gathered, loaded back into each rank's
     # pieces). A resumed run equals the uninterrupted one bit for bit only if the checkpoint kept them.
-    common = [*SMALL, *ONE_THREAD, "precision=bf16", "trainer.max_steps=6", *layout]
+    common = [*SMALL, "precision=bf16", "trainer.max_steps=6", *layout]
     whole = run_training([*common, *NO_FINAL_SAVE], tmp_path / "whole")
     ckpt = tmp_path / "ckpt"
     if layout:

@@ -24,9 +24,8 @@ STEPS = 10
 MOE = [*SMALL, "model=moe_tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
        "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=500", "model.ffn_hidden_size=64",
        "model.moe.ffn_hidden_size=32", "precision=fp64", f"trainer.max_steps={STEPS}",
-       # No final checkpoint (the resharding checks below use the periodic ones), and one thread: a
-       # single-process run would otherwise take both cores and spin in OpenMP while others wait.
-       "checkpoint.save_last=false", "trainer.num_threads=1"]
+       # No final checkpoint: the resharding checks below use the periodic ones.
+       "checkpoint.save_last=false"]
 # DeepSeek-style routing: sigmoid scores, aux-free selection bias, a shared expert, z-loss, the
 # second layer MoE only; a checkpoint at step 8 (resharded below: two resumed steps show the
 # continuation, the router's selection bias included).

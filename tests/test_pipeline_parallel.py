@@ -15,9 +15,8 @@ from conftest import SMALL, assert_same_trajectory, compose_config, run_training
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 
 STEPS = 10
-# No final checkpoint (nothing reads it; checkpoint tests cover saving), and one thread: the
-# single-process reference would otherwise take both cores and spin in OpenMP while other ranks wait.
-QUICK = ["checkpoint.save_last=false", "trainer.num_threads=1"]
+# No final checkpoint (nothing reads it; checkpoint tests cover saving).
+QUICK = ["checkpoint.save_last=false"]
 BASE = [*SMALL, *QUICK, "precision=fp64", f"trainer.max_steps={STEPS}", "model.num_layers=4",
         "trainer.val_check_interval=5", "trainer.limit_val_batches=2"]
 PP2 = ["parallel=pp2", "trainer.devices=2"]

@@ -34,16 +34,6 @@ SETTINGS = {
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for this file's single-process model runs: the suite's workers already
-    share the cores, and a second OpenMP thread on a busy core makes these small ops wait on it
-    (measured: the bitwise tests ran several times slower with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _steps(cfg: TransformerConfig, ps: ParallelState, steps: int = 2):
     """Losses, every gradient and the bytes saved for backward of ``steps`` forward/backward
@@ -115,7 +105,6 @@ TP_SETTINGS = ("full_uniform_2", "full_block_3", "selective")
 
 def _tp_rank_fn(rank, world):
     """Both TP cases (without and with sequence parallelism) in one start of the ranks."""
-    torch.set_num_threads(1)  # two ranks on two cores
     ps = ParallelState.build(tp=world)
     out = {}
     for sp in (False, True):

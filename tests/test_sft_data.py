@@ -251,12 +251,10 @@ def _chat_rows(count: int, seed: int):
 def sft_single(tmp_path_factory):
     """The overrides of a 3-step float64 SFT run and its single-process metrics. Conversations of
     50-80 tokens, packed 2-3 to a sequence of 160, so positions restart within sequences. No run
-    saves a checkpoint (nothing reads one); the single process, which runs in the pytest process,
-    uses one intra-op thread (the suite's other worker and ranks share the cores)."""
+    saves a checkpoint (nothing reads one)."""
     path = _write_jsonl(tmp_path_factory.mktemp("sft_data") / "chat.jsonl", _chat_rows(80, 0))
     base = [*SMALL, *LLAMA, "data=sft", f"data.path={path}", "data.tokenizer.type=byte", "model.seq_length=160",
-            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.save_last=false",
-            "trainer.num_threads=1"]
+            "data.global_batch_size=4", "precision=fp64", f"trainer.max_steps={STEPS}", "checkpoint.save_last=false"]
     return base, run_training(base, tmp_path_factory.mktemp("sft_single"))
 
 

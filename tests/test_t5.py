@@ -113,15 +113,14 @@ def corpus(tmp_path_factory):
 
 
 def t5_run(corpus: str, *extra: str):
-    """No final checkpoint (nothing reads it); one intra-op thread (the single process runs in the
-    pytest process, on cores the suite's other worker and ranks share; the ranks have one each)."""
+    """No final checkpoint (nothing reads it)."""
     model = [o for o in SMALL if not o.startswith("data=")]
     return [*model, "model.arch=t5", "model.position_embedding=relative", "model.normalization=rmsnorm",
             "model.activation=geglu", "model.add_bias_linear=false", "model.tie_embeddings=false",
             "model.num_decoder_layers=2", "model.decoder_seq_length=16", "model.relative_attention_num_buckets=8",
             "model.relative_attention_max_distance=16", "data=indexed_t5", f"data.blend=[{corpus}]",
             "data.tokenizer.type=byte", "data.split=[90,10,0]", "precision=fp64", f"trainer.max_steps={STEPS}",
-            "checkpoint.save_last=false", "trainer.num_threads=1", *extra]
+            "checkpoint.save_last=false", *extra]
 
 
 @pytest.fixture(scope="module")
