@@ -10,6 +10,11 @@ import pickle
 import runpy
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Dict, List
+from unittest import mock
 
 # One thread per process, set before torch is imported: two xdist workers share two cores, each
 # with its own ranks and launched runs. Several threads per process on a core they do not have
@@ -17,11 +22,6 @@ import time
 # measured 1 s instead of 0.06 s). Ranks forked from the server below, launched runs (whose
 # workers read OMP_NUM_THREADS: training.worker.cpu_threads) and this process all run one.
 os.environ["OMP_NUM_THREADS"] = "1"
-from contextlib import contextmanager
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable, Dict, List
-from unittest import mock
 
 import pytest
 import torch
