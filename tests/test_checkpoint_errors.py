@@ -122,7 +122,7 @@ def test_signal_saves_and_stops_then_resume_continues(tmp_path, env_no_launcher,
                                 stdout=out, stderr=subprocess.STDOUT, env=env_no_launcher)
         try:
             _wait_for(log, "training starts at step 0")
-            time.sleep(2)  # a few steps, and every rank past its own start
+            time.sleep(1)  # a few steps, and every rank past its own start
             proc.send_signal(sig)
             assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         finally:

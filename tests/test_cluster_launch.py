@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from conftest import SMALL, compose_config, launch_cmd, read_metrics, run_training
+from conftest import SMALL, compose_config, launch_cmd, launch_py, read_metrics, run_training
 from megatron_hydra import slurm
 from megatron_hydra.config import derive
 from megatron_hydra.config.io import free_port
@@ -183,12 +183,13 @@ def test_simulated_slurm_step_trains_like_one_process(tmp_path, env_no_launcher,
     assert "val_loss" in rows[-1]
 
 
-def test_simulated_slurm_step_with_wrong_layout_fails_in_one_line(tmp_path, env_no_launcher):
+def test_simulated_slurm_step_with_wrong_layout_fails_in_one_line(tmp_path, env_no_launcher, capsys):
+    # Refused before any process group: launch.py runs in this process (conftest.launch_py).
     env = {**env_no_launcher, **_slurm_env(0, ntasks=4, per_node=4)}
-    out = subprocess.run(launch_cmd(*SMALL, "trainer.devices=2", f"hydra.run.dir={tmp_path}"), env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1] == (
+    code = launch_py([*SMALL, "trainer.devices=2", f"hydra.run.dir={tmp_path}"], env)
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
         "error: the slurm launch has 4 ranks but trainer.devices x trainer.num_nodes = 2x1 = 2: make them agree "
         "(SLURM --nodes/--ntasks-per-node)")
 
@@ -214,7 +215,7 @@ def test_slurm_warning_signal_saves_then_requeues_once(tmp_path, env_no_launcher
     procs = _start_tasks(2, 2, overrides, tmp_path / "run", env, tmp_path)
     try:
         _wait_for(tmp_path / "task0.log", "training starts at step 0")
-        time.sleep(2)
+        time.sleep(1)  # a few steps, and every task past its own start
         for p in procs:
             p.send_signal(signal.SIGUSR2)
         codes = [p.wait(timeout=120) for p in procs]
@@ -251,9 +252,8 @@ def test_optuna_sweep_reports_the_best_trial(tmp_path, env_no_launcher):
     assert f"optim.warmup_steps={result['best_params']['optim.warmup_steps']}" in job_overrides
 
 
-def test_optuna_sweep_without_validation_is_a_config_error(tmp_path, env_no_launcher):
-    out = subprocess.run(launch_cmd("-m", "hydra/sweeper=lr_search", "hydra.sweeper.n_trials=1", *SMALL,
-                                    f"hydra.sweep.dir={tmp_path}"),
-                         env=env_no_launcher, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "trainer.val_check_interval=0 disables validation" in out.stderr
+def test_optuna_sweep_without_validation_is_a_config_error(tmp_path, env_no_launcher, capsys):
+    code = launch_py(["-m", "hydra/sweeper=lr_search", "hydra.sweeper.n_trials=1", *SMALL, f"hydra.sweep.dir={tmp_path}"],
+                     env_no_launcher)
+    assert code == 2
+    assert "trainer.val_check_interval=0 disables validation" in capsys.readouterr().err

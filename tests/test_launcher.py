@@ -16,11 +16,11 @@ def _run(args, env, timeout=240, **kwargs):
 
 def test_default_run_trains_with_falling_loss(tmp_path, env_no_launcher):
     # The default data (demo corpus), built into a private cache so the test starts from nothing.
-    out = _run(launch_cmd("trainer.max_steps=15", "optim.warmup_steps=5", "trainer.enable_progress_bar=false",
+    out = _run(launch_cmd("trainer.max_steps=10", "optim.warmup_steps=4", "trainer.enable_progress_bar=false",
                           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path}"), env_no_launcher)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
-    assert len(rows) == 15
+    assert len(rows) == 10
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
     assert last < first - 0.5, (first, last)
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_rank", "consumed_samples"):

@@ -1,5 +1,10 @@
 """Launcher refusals and failure reports (issue: trust): unknown keys, bad YAML, unwritable or
-busy directories, too many local workers, blaming the right rank, sweeps that outlive a failed job."""
+busy directories, too many local workers, blaming the right rank, sweeps that outlive a failed job.
+
+The refusals that end ``launch.py`` before any worker starts run it in this process
+(``conftest.launch_py``: its own ``__main__`` block, Hydra's parsing and exit status); the same
+one-line error from a fresh interpreter is test_config.py's ``launch.py`` test. Runs that start
+workers (a failing rank, a directory in use, a sweep) are separate processes here."""
 
 from __future__ import annotations
 
@@ -12,13 +17,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, SMALL, compose_config, launch_cmd, rank1_failure_injector, read_metrics
+from conftest import ROOT, SMALL, compose_config, launch_cmd, launch_py, rank1_failure_injector, read_metrics
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
 
 
 def _run(args, env, timeout=180):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _launch_in_process(argv, env, capsys) -> SimpleNamespace:
+    """``python launch.py *argv``'s exit status and output, run in this process."""
+    capsys.readouterr()
+    code = launch_py(argv, env)
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 
 
 def _one_error_line(out) -> str:
@@ -28,7 +41,7 @@ def _one_error_line(out) -> str:
     return lines[0]
 
 
-def test_unknown_override_key_is_refused(tmp_path, env_no_launcher):
+def test_unknown_override_key_is_refused(tmp_path, env_no_launcher, capsys):
     from hydra import compose, initialize_config_dir
 
     from conftest import CONF
@@ -36,7 +49,7 @@ def test_unknown_override_key_is_refused(tmp_path, env_no_launcher):
     from megatron_hydra.config.known_keys import check_known_keys
 
     register_configs()
-    out = _run(launch_cmd("+unknown.key=1", "mode=plan", f"hydra.run.dir={tmp_path}"), env_no_launcher)
+    out = _launch_in_process(["+unknown.key=1", "mode=plan", f"hydra.run.dir={tmp_path}"], env_no_launcher, capsys)
     assert out.returncode == 2
     assert "'unknown.key'" in _one_error_line(out)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
@@ -50,18 +63,14 @@ def test_unknown_override_key_is_refused(tmp_path, env_no_launcher):
                     check_known_keys(cfg)
 
 
-def test_unknown_group_option_and_comma_list_without_m_are_one_line(tmp_path, env_no_launcher):
-    # Hydra's own multi-line texts, before any worker; the two launches run side by side.
+def test_unknown_group_option_and_comma_list_without_m_are_one_line(tmp_path, env_no_launcher, capsys):
+    # Hydra's own multi-line texts, before any worker.
     cases = {"model=gpt_does_not_exist": ["config group 'model' has no option 'gpt_does_not_exist'",
                                           "available: ", "gpt_125m, gpt_175b", "moe_tiny"],
              "data.split=100,0": ["is a sweep", "\"data.split='100,0'\"", "data.split=[100,0]"]}
-    procs = {arg: subprocess.Popen(launch_cmd(arg, "mode=plan", f"hydra.run.dir={tmp_path / str(i)}"),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_no_launcher)
-             for i, arg in enumerate(cases)}
-    for arg, parts in cases.items():
-        stdout, stderr = procs[arg].communicate(timeout=180)
-        out = SimpleNamespace(returncode=procs[arg].returncode, stdout=stdout, stderr=stderr)
-        assert out.returncode == 2, stderr[-2000:]
+    for i, (arg, parts) in enumerate(cases.items()):
+        out = _launch_in_process([arg, "mode=plan", f"hydra.run.dir={tmp_path / str(i)}"], env_no_launcher, capsys)
+        assert out.returncode == 2, out.stderr[-2000:]
         line = _one_error_line(out)
         assert line.startswith(f"error: {arg}: ") and all(p in line for p in parts), line
     # A comma list of config group options means several runs: the fix is -m, not quoting.
@@ -72,22 +81,22 @@ def test_unknown_group_option_and_comma_list_without_m_are_one_line(tmp_path, en
     assert "sweep over config group 'model'" in line and "add -m" in line and "[" not in line
 
 
-def test_yaml_syntax_error_in_own_config_is_one_line(tmp_path, env_no_launcher):
+def test_yaml_syntax_error_in_own_config_is_one_line(tmp_path, env_no_launcher, capsys):
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  max_steps: [1, 2\n")
-    out = _run(launch_cmd("--config-dir", str(conf), "--config-name", "mine", "mode=plan",
-                          f"hydra.run.dir={tmp_path / 'run'}"), env_no_launcher)
+    out = _launch_in_process(["--config-dir", str(conf), "--config-name", "mine", "mode=plan",
+                              f"hydra.run.dir={tmp_path / 'run'}"], env_no_launcher, capsys)
     assert out.returncode == 2
     line = _one_error_line(out)
     assert str(conf / "mine.yaml") in line and "line 6" in line
 
 
-def test_unwritable_run_dir_is_one_line(tmp_path, env_no_launcher):
+def test_unwritable_run_dir_is_one_line(tmp_path, env_no_launcher, capsys):
     # As root no permission bit stops a write: a path through a regular file is unwritable for anyone.
     (tmp_path / "afile").write_text("")
-    out = _run(launch_cmd(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"),
-               env_no_launcher)
+    out = _launch_in_process([*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"],
+                             env_no_launcher, capsys)
     assert out.returncode == 2
     assert "hydra.run.dir" in _one_error_line(out)
 
