@@ -65,11 +65,13 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=rank)  # stable: the order within a file is kept
 
 
-# A model small enough that a multi-rank run of 10 steps takes seconds on 2 cores.
+# A model small enough that a multi-rank run of 10 steps takes seconds on 2 cores. Its MFU is taken
+# against a given peak: the CPU matmul measured at start-up (0.1 s of rank 0, a tenth of such a run)
+# is test_mfu.py's, and the default run's (test_launcher.py).
 SMALL = [
     "data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
     "model.vocab_size=500", "data.micro_batch_size=2", "data.global_batch_size=8",
-    "optim.warmup_steps=2", "trainer.enable_progress_bar=false",
+    "optim.warmup_steps=2", "trainer.enable_progress_bar=false", "trainer.peak_tflops=1",
 ]
 
 
@@ -85,13 +87,20 @@ def compose_config(overrides: List[str] = (), run_dir: str = "unused", visible_g
 
 
 @functools.lru_cache(maxsize=None)
+def _register_schema() -> None:
+    """The schema into Hydra's ConfigStore, once per process: storing it again (Hydra rebuilds
+    the typed node) costs about a fifth of a composition."""
+    from megatron_hydra.config import register_configs
+
+    register_configs()
+
+
+@functools.lru_cache(maxsize=None)
 def _composed(overrides: Tuple[str, ...]):
     """Hydra's composition of ``conf/`` with these overrides, interpolations unresolved. Composing
     takes Hydra about 0.2 s; a test process asks for the same overrides (the run dir aside) many
     times, e.g. a layout test's single-process reference and each resumed run."""
-    from megatron_hydra.config import register_configs
-
-    register_configs()
+    _register_schema()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="config", overrides=["run_dir=unused", *overrides])
 

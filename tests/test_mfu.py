@@ -76,9 +76,36 @@ def test_cpu_peak_is_a_matmul_rate():
 
 def test_a_cpu_run_logs_mfu(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="megatron_hydra"):
-        rows = run_training([*SMALL, "trainer.max_steps=3"], tmp_path)
+        rows = run_training([*SMALL, "trainer.max_steps=3", "trainer.peak_tflops=null"], tmp_path)
     assert all(r["mfu"] > 0 for r in rows)
     # One peak for the run: mfu is tflops_per_rank in percent of it, the same ratio on every row.
     ratios = [r["mfu"] / r["tflops_per_rank"] for r in rows]
     assert max(ratios) == pytest.approx(min(ratios), rel=1e-5)
     assert "mfu against" in caplog.text and "CPU matmul peak measured at start-up" in caplog.text
+
+
+def test_configured_peak_replaces_the_table_and_the_measurement(tmp_path, caplog):
+    """``trainer.peak_tflops``: a GPU the table lacks gets an MFU, a CPU run measures nothing, and
+    every row's mfu is tflops_per_rank in percent of the given number."""
+    from megatron_hydra.planning import peak
+
+    with mock.patch.object(torch.cuda, "get_device_name", return_value="NVIDIA H100 PCIe"):
+        assert peak.device_peak_tflops(torch.device("cuda", 0), 4096, torch.bfloat16, 756.0) == (
+            756.0, "trainer.peak_tflops")
+    with mock.patch.object(peak, "measure_cpu_peak_tflops", side_effect=AssertionError("measured")):
+        assert peak.device_peak_tflops(torch.device("cpu"), 64, torch.float32, 0.5)[0] == 0.5
+    with caplog.at_level(logging.INFO, logger="megatron_hydra"):
+        rows = run_training([*SMALL, "trainer.max_steps=2", "trainer.peak_tflops=0.5"], tmp_path)
+    # float32 in the logged metrics
+    assert [r["mfu"] for r in rows] == pytest.approx([100 * r["tflops_per_rank"] / 0.5 for r in rows], rel=1e-5)
+    assert "mfu against 0.5 TFLOP/s: trainer.peak_tflops" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_configured_peak_must_be_positive(value):
+    from conftest import compose_config
+    from megatron_hydra.config import derive
+    from megatron_hydra.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"trainer.peak_tflops={value}.* must be positive"):
+        derive(compose_config([*SMALL, f"trainer.peak_tflops={value}"]))

@@ -132,6 +132,9 @@ def _check_positive(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}={value} must be in [0, 1)")
     if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.lr={cfg.optim.lr} and optim.min_lr={cfg.optim.min_lr} need 0 <= min_lr <= lr and lr > 0")
+    if cfg.trainer.peak_tflops is not None and not cfg.trainer.peak_tflops > 0:
+        raise ConfigError(f"trainer.peak_tflops={cfg.trainer.peak_tflops} must be positive (TFLOP/s per rank), or "
+                          "null for the GPU's datasheet peak or a CPU matmul measured at start-up")
     if cfg.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be >= 0")
     if cfg.optim.clip_grad < 0:

@@ -282,6 +282,10 @@ class TrainerConfig:
     # Memory of one device in GiB, for the memory plan; None -> read from the device (GPU) or the
     # machine's RAM divided by the local ranks (CPU).
     device_memory_gb: Optional[float] = None
+    # TFLOP/s per rank that the logged mfu is taken against; None -> the dense bf16 datasheet peak
+    # of a known GPU (conf/cluster/*.yaml), or on CPU a matmul rate measured at start-up
+    # (planning/peak.py). Set it for a GPU that table lacks, or to skip the CPU measurement.
+    peak_tflops: Optional[float] = None
     # When training ends, rank 0 prints a sample of this many tokens from the trained GPT (real
     # text data and tp = pp = 1 only; 0 disables it).
     generate_sample_tokens: int = 48

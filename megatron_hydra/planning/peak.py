@@ -3,7 +3,8 @@
 GPUs: the dense (not 2:4 sparse) bf16 tensor-core peak of the GPU, from the one table the layout
 planner uses too, ``peak_tflops`` of ``conf/cluster/*.yaml`` (each with the datasheet it comes
 from), keyed by the cluster file's ``gpu``; ``GPU_NAMES`` maps what
-``torch.cuda.get_device_name`` reports to those keys. A GPU not in it gets no MFU.
+``torch.cuda.get_device_name`` reports to those keys. A GPU not in it gets no MFU, unless
+``trainer.peak_tflops`` gives its peak (which replaces the table and the CPU measurement alike).
 
 CPUs have no datasheet peak worth the name (it depends on the ISA, the clock under load and how
 many cores the rank's threads get). The peak is measured at start-up instead: the best of several
@@ -110,8 +111,12 @@ def _best_matmul_tflops(size: int, dtype: torch.dtype, runs: int, seconds: float
     return 2.0 * n**3 * reps / best / 1e12
 
 
-def device_peak_tflops(device: torch.device, hidden_size: int, dtype: torch.dtype) -> Tuple[Optional[float], str]:
-    """(the peak TFLOP/s MFU is taken against, or None; where it comes from, one line)."""
+def device_peak_tflops(device: torch.device, hidden_size: int, dtype: torch.dtype,
+                       configured: Optional[float] = None) -> Tuple[Optional[float], str]:
+    """(the peak TFLOP/s MFU is taken against, or None; where it comes from, one line).
+    ``configured`` (``trainer.peak_tflops``) is taken as it is: nothing is looked up or measured."""
+    if configured is not None:
+        return configured, "trainer.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         found = gpu_peak_tflops(name)

@@ -196,7 +196,8 @@ class LMModule(pl.LightningModule):
         if self.ps.rank != 0:  # only rank 0 logs
             return
         tcfg = self.derived.transformer
-        self.peak_tflops, source = device_peak_tflops(self.device, tcfg.hidden_size, tcfg.params_dtype)
+        self.peak_tflops, source = device_peak_tflops(self.device, tcfg.hidden_size, tcfg.params_dtype,
+                                                      self.cfg.trainer.peak_tflops)
         if self.peak_tflops is None:
             log.info("mfu not logged: %s", source)
         else:
