@@ -183,10 +183,15 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, 
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Set the logits of padded vocabulary entries of this TP shard to -inf (in place: the
-    linear layer that made them keeps no output for backward), so that the loss and sampled
-    tokens do not depend on how much padding the layout needs."""
+    """Set the logits of padded vocabulary entries of this TP shard to -inf, so that the loss and
+    sampled tokens do not depend on how much padding the layout needs.
+
+    In place and outside autograd: the linear layer that made the logits keeps no output for
+    backward, and the gradient reaching these entries is already zero (a softmax of -inf, never a
+    target). Recorded by autograd, the assignment to a slice would copy the whole [tokens, vocab]
+    gradient in backward (CopySlices) only to zero what is zero."""
     first_padded = vocab_size - tp_rank * logits.shape[-1]
     if first_padded < logits.shape[-1]:
-        logits[..., max(first_padded, 0):] = float("-inf")
+        with torch.no_grad():
+            logits[..., max(first_padded, 0):] = float("-inf")
     return logits
