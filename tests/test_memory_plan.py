@@ -331,8 +331,8 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
         kept = live.now
         loss.sum().backward()
     transient = live.peak - kept
-    # The formula: the logits in their dtype, plus their fp32 copy when 16-bit (module docstring).
-    by_hand = b * s * vocab * {torch.float32: 4, torch.bfloat16: 2 + 4, torch.float64: 8}[dtype]
+    # The formula: the logits in their dtype; the fp32 copy of 16-bit ones becomes the kept softmax.
+    by_hand = b * s * vocab * {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}[dtype]
     assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand
     assert transient == pytest.approx(by_hand, rel=0.02)
 
@@ -342,7 +342,7 @@ def test_plan_puts_the_transient_on_the_last_stage():
     plan = plan_memory(cfg, derive(cfg))
     first, last = plan.ranks
     padded_vocab = derive(cfg).transformer.padded_vocab_size  # 500 padded for tp 2
-    assert last.transient_bytes == (2 + 4) * 2 * 32 * padded_vocab // 2  # (v + 4) b s V / t
+    assert last.transient_bytes == 2 * 2 * 32 * padded_vocab // 2  # v b s V / t
     assert first.transient_bytes == 0
     assert first.context_bytes == first.nccl_bytes == first.fragmentation_bytes == 0  # CPU: no other headroom
     assert last.needed_bytes == last.total_bytes + last.transient_bytes
@@ -481,8 +481,8 @@ def test_context_parallel_divides_activations_and_adds_its_buffers(comm):
                 assert getattr(row, key) == getattr(ref, key), key
             # Stage-to-stage buffers: n micro-batches x [b, s/(cp t), h] bf16, one direction per rank here.
             assert row.pipeline_buffer_bytes == 2 * 2 * (16384 // (cp * 2)) * 128 * 2
-        # The loss's transient on the last stage: (v + 4) b (s/cp) V/t with V = 512 padded for tp 2.
-        assert plan.ranks[1].transient_bytes == (2 + 4) * 2 * (16384 // cp) * 512 // 2
+        # The loss's transient on the last stage: v b (s/cp) V/t with V = 512 padded for tp 2.
+        assert plan.ranks[1].transient_bytes == 2 * 2 * (16384 // cp) * 512 // 2
         table = plan.table()
         assert f"x dp 2 x cp {cp} ({comm})" in table.splitlines()[0] and "cp bufs" in table
 

@@ -16,12 +16,15 @@ from megatron_hydra.parallel import collectives as C
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group):
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        copied = logits.dtype in (torch.float16, torch.bfloat16)
+        logits = logits.float() if copied else logits
         local_vocab = logits.shape[-1]
         start = C.group_rank(group) * local_vocab
         logits_max = logits.max(dim=-1).values
         C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        # 16-bit logits: their fp32 copy is this function's own and becomes the softmax in place;
+        # the caller's fp32 logits are left as they are.
+        shifted = logits.sub_(logits_max.unsqueeze(-1)) if copied else logits - logits_max.unsqueeze(-1)
 
         local_target = target - start
         outside = (local_target < 0) | (local_target >= local_vocab)

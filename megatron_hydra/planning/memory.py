@@ -97,10 +97,10 @@ micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
 The cross-entropy transient, on any device, on ranks holding the last stage: while the loss of one
 micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above, the head's logits
-(v bytes) and, for 16-bit logits, their fp32 copy exist at once; in backward the softmax becomes
-the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes again), so the
-transient is (v + 4) b s V/t bytes for 16-bit logits and v b s V/t otherwise (b micro-batch,
-s the full sequence, s/c under context parallelism, V the padded vocabulary, sharded over t). On
+(v bytes) exist (16-bit logits: their fp32 copy becomes that softmax in place); in backward the
+softmax becomes the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes
+again), so the transient is v b s V/t bytes (b micro-batch, s the full sequence, s/c under context
+parallelism, V the padded vocabulary, sharded over t). On
 GPUs also the CUDA context of the process, NCCL's buffers and the caching allocator's
 fragmentation. The fit check compares the planned bytes plus headroom with the device
 (``MemoryPlan.fits``).
@@ -125,7 +125,7 @@ from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning import context_parallel
 from megatron_hydra.planning.memory_archs import StackBytes, chunk_parameters, outside_layers, stacks
-from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, HALF, shape_only, state_bytes
+from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, shape_only, state_bytes
 from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step
 
 GIB = 2**30
@@ -308,9 +308,8 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
 def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
                                   logits_dtype: torch.dtype) -> int:
     """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): the
-    logits in their dtype, plus their fp32 copy when they are 16-bit."""
-    per_element = logits_dtype.itemsize + (4 if logits_dtype in HALF else 0)
-    return per_element * micro_batch * seq * padded_vocab // tp
+    logits in their dtype (an fp32 copy of 16-bit logits is the softmax itself)."""
+    return logits_dtype.itemsize * micro_batch * seq * padded_vocab // tp
 
 
 def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> List[str]:
@@ -433,7 +432,7 @@ class MemoryPlan:
             return []
         per_comm = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
         items = [("cross-entropy transient", peak.transient_bytes,
-                  "one micro-batch's logits (+ their fp32 copy if 16-bit), last stage only"),
+                  "one micro-batch's logits, last stage only"),
                  ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
                  ("NCCL buffers", peak.nccl_bytes,
                   f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
