@@ -18,17 +18,20 @@ RMSNorm, SwiGLU with ffn 2048, untied head):
   CUDA seeding is skipped. Its attention is the unfused softmax path of the local spec.
 - Hugging Face transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``vs_transformers``).
 
-Prints tokens per CPU-second of each and our ratio to each; asserts nothing. Measured on a shared
-2-core CPU (2 threads, steps=5; ours / Megatron-Core, ours / transformers; a second run at seq 512
-in brackets, the machine's load average between 1 and 50 over the runs):
+Prints tokens per CPU-second of each and our ratio to each; asserts nothing. Measured on an idle
+2-core AVX2 CPU (2 threads, steps=5; ours / Megatron-Core, ours / transformers), after the padded
+vocabulary's mask left autograd, the LM head's weight gradient became contiguous (tied embeddings
+add to it in place) and 16-bit logits' fp32 copy became the softmax in place; in brackets the run
+before the head change:
 
-    fp32 GPT-2  s=512  1.02 (1.04) / 1.08 (1.09)   s=1024  1.06 / 1.06
-    bf16 GPT-2  s=512  1.10 (0.98) / 1.22 (1.13)   s=1024  1.03 / 1.13
-    fp32 Llama  s=512  1.07 (1.22) / 1.10 (1.28)   s=1024  1.19 / 1.11
-    bf16 Llama  s=512  1.01 (0.97) / 1.16 (0.78)   s=1024  1.05 / 1.06
+    fp32 GPT-2  s=512  0.92 (0.93) / 1.15 (1.02)   s=1024  1.15 (1.07) / 1.17 (1.10)
+    bf16 GPT-2  s=512  0.97 (0.93) / 1.15 (1.10)   s=1024  1.04 (1.03) / 1.17 (1.14)
+    fp32 Llama  s=512  1.03 (1.05) / 1.04 (1.11)   s=1024  1.21 (1.17) / 1.23 (1.14)
+    bf16 Llama  s=512  1.02 (1.03) / 1.12 (1.13)   s=1024  1.12 (1.05) / 1.34 (1.20)
 
-Against Megatron-Core that is parity to a small lead, against transformers a lead in most cells,
-neither a steady 1.1x: the same run's two samples differ by up to 0.4. (Measured with a fused
+Against transformers a lead in every cell, 1.1x or more in all but one of this run's; against
+Megatron-Core a lead at seq 1024 and parity or a deficit of up to 8% at seq 512 in the GPT-2
+form, in both runs. Cells move by up to 0.1 between runs. (Earlier measurements took a fused
 log-softmax loss and a roll-based rotary embedding that were later dropped: their whole-step
 effect was within the noise, see docs/hf_interop.md.) torchtitan is not in
 the table: its 0.3.0 wheel imports ``spmd_types``, which no index this project installs from
