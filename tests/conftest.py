@@ -98,8 +98,8 @@ def _register_schema() -> None:
 @functools.lru_cache(maxsize=None)
 def _composed(overrides: Tuple[str, ...]):
     """Hydra's composition of ``conf/`` with these overrides, interpolations unresolved. Composing
-    takes Hydra about 0.2 s; a test process asks for the same overrides (the run dir aside) many
-    times, e.g. a layout test's single-process reference and each resumed run."""
+    takes Hydra 0.1 to 0.2 s; one in seven compositions of a suite run repeats an earlier one (the
+    run dir aside), e.g. a resumed run's or a reference run's."""
     _register_schema()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="config", overrides=["run_dir=unused", *overrides])
