@@ -20,21 +20,18 @@ RMSNorm, SwiGLU with ffn 2048, untied head):
 
 Prints tokens per CPU-second of each and our ratio to each; asserts nothing. Measured on an idle
 2-core AVX2 CPU (2 threads, steps=5; ours / Megatron-Core, ours / transformers), after the padded
-vocabulary's mask left autograd, the LM head's weight gradient became contiguous (tied embeddings
-add to it in place) and 16-bit logits' fp32 copy became the softmax in place; in brackets the run
-before the head change:
+vocabulary's mask left autograd and 16-bit logits' fp32 copy became the softmax in place:
 
-    fp32 GPT-2  s=512  0.92 (0.93) / 1.15 (1.02)   s=1024  1.15 (1.07) / 1.17 (1.10)
-    bf16 GPT-2  s=512  0.97 (0.93) / 1.15 (1.10)   s=1024  1.04 (1.03) / 1.17 (1.14)
-    fp32 Llama  s=512  1.03 (1.05) / 1.04 (1.11)   s=1024  1.21 (1.17) / 1.23 (1.14)
-    bf16 Llama  s=512  1.02 (1.03) / 1.12 (1.13)   s=1024  1.12 (1.05) / 1.34 (1.20)
+    fp32 GPT-2  s=512  0.93 / 1.02   s=1024  1.07 / 1.10
+    bf16 GPT-2  s=512  0.93 / 1.10   s=1024  1.03 / 1.14
+    fp32 Llama  s=512  1.05 / 1.11   s=1024  1.17 / 1.14
+    bf16 Llama  s=512  1.03 / 1.13   s=1024  1.05 / 1.20
 
-Against transformers a lead in every cell, 1.1x or more in all but one of this run's; against
-Megatron-Core a lead at seq 1024 and parity or a deficit of up to 8% at seq 512 in the GPT-2
-form, in both runs. Cells move by up to 0.1 between runs. The seq-512 deficit is mostly the
-first steps: with ``warmup=3`` (each model's allocations and thread pool settled) the same day's
-seq-512 cells read 1.07 / 1.16 (fp32 GPT-2), 1.03 / 1.15 (bf16 GPT-2), 1.10 / 1.20 (fp32 Llama)
-and 1.03 / 1.10 (bf16 Llama): a lead everywhere, short of 1.1x against Megatron-Core in bf16. (Earlier measurements took a fused
+Against transformers a lead in every cell, 1.1x or more in all but one; against Megatron-Core a
+lead at seq 1024 and parity or a deficit of up to 7% at seq 512. Cells move by up to 0.1 between
+runs, and the first steps weigh on seq 512: a run with ``warmup=3`` on the same tree read
+1.02 / 1.06 (fp32 GPT-2), 0.95 / 1.15 (bf16 GPT-2), 0.99 / 0.93 (fp32 Llama) and
+1.14 / 1.38 (bf16 Llama) at seq 512, the spread of the noise itself. (Earlier measurements took a fused
 log-softmax loss and a roll-based rotary embedding that were later dropped: their whole-step
 effect was within the noise, see docs/hf_interop.md.) torchtitan is not in
 the table: its 0.3.0 wheel imports ``spmd_types``, which no index this project installs from

@@ -172,32 +172,11 @@ class PositionEmbedding(nn.Embedding):
         return super().forward(torch.arange(start, start + length, device=self.weight.device))
 
 
-class _LogitsMatmul(torch.autograd.Function):
-    """``hidden @ weight^T`` whose weight gradient is a fresh contiguous [vocab, hidden] tensor
-    (``F.linear`` hands autograd the transpose of one). With tied embeddings the weight's other
-    gradient, the embedding lookup's, is then added to it in place; added to a transposed view, it
-    would cost a third [vocab, hidden] tensor every step."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight)
-        return torch.matmul(hidden, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        hidden, weight = ctx.saved_tensors
-        grad_hidden = torch.matmul(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(hidden.reshape(-1, hidden.shape[-1]))
-        return grad_hidden, grad_weight
-
-
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool,
                           vocab_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits of this rank's vocabulary shard, [..., padded_vocab / tp], from the (possibly tied)
     vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf."""
-    logits = _LogitsMatmul.apply(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
+    logits = F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
     if bias is not None:
         logits = logits + bias
     return mask_padded_vocab(logits, vocab_size, C.group_rank(tp_group))
