@@ -316,9 +316,12 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
-    """Measured: the bytes alive at the peak of the head's matmul, the loss and their backward, less
-    what the loss keeps for backward (its softmax, counted among the activations)."""
+    """Measured: the bytes alive at the peak of the head's matmul and the loss, then of their
+    backward, as the models run them (the logits handed to the loss), less what the loss keeps for
+    backward (its softmax, counted among the activations) and, in backward, the gradients of the
+    weight and the input (counted with the parameters and the layers)."""
     from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_hydra.parallel.layers import vocab_parallel_logits
     from megatron_hydra.planning.memory import cross_entropy_transient_bytes
 
     b, s, h, vocab = 2, 128, 32, 4096
@@ -327,14 +330,24 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
     target = torch.randint(0, vocab, (b, s))
     live = _LiveBytes()
     with live:
-        loss = vocab_parallel_cross_entropy(x @ w.t(), target)
+        logits = vocab_parallel_logits(x, w, None, False, vocab)
+        loss = vocab_parallel_cross_entropy(logits, target, inplace=True)
+        del logits
         kept = live.now
+        forward_peak, live.peak = live.peak, live.now
         loss.sum().backward()
-    transient = live.peak - kept
-    # The formula: the logits in their dtype; the fp32 copy of 16-bit ones becomes the kept softmax.
-    by_hand = b * s * vocab * {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}[dtype]
+    grads = (w.numel() + x.numel()) * dtype.itemsize
+    transient = max(forward_peak - kept, live.peak - kept - grads)
+    # The formula: 16-bit logits in their dtype (their fp32 copy becomes the kept softmax); fp32 and
+    # fp64 logits become the softmax themselves. Per-token vectors stay under 2%.
+    by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 2, torch.float64: 0}[dtype]
     assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand
-    assert transient == pytest.approx(by_hand, rel=0.02)
+    assert transient == pytest.approx(by_hand, abs=0.02 * b * s * vocab * 4)
+    # Not handed over, fp32 and fp64 logits stay as they were and the softmax is a new tensor.
+    logits = vocab_parallel_logits(x, w, None, False, vocab)
+    before = logits.detach().clone()
+    vocab_parallel_cross_entropy(logits, target)
+    assert torch.equal(logits.detach(), before)
 
 
 def test_plan_puts_the_transient_on_the_last_stage():

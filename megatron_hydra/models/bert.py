@@ -102,7 +102,7 @@ class BertModel(nn.Module):
         logits = self.lm_logits(x)
         if labels is None:
             return logits
-        lm_loss = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
+        lm_loss = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, inplace=True)
         if self.cfg.binary_head:
             sop = F.cross_entropy(self.binary_logits(x), sop_labels, reduction="none")
         else:

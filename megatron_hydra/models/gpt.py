@@ -81,4 +81,6 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         logits = self.head(x)
-        return logits if labels is None else vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, inplace=True)

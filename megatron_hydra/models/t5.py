@@ -128,4 +128,4 @@ class T5Model(nn.Module):
         logits = self.decode(decoder_tokens, self.encode(tokens, padding_mask), padding_mask)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
+        return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, inplace=True)

@@ -175,23 +175,35 @@ class PositionEmbedding(nn.Embedding):
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool,
                           vocab_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits of this rank's vocabulary shard, [..., padded_vocab / tp], from the (possibly tied)
-    vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf."""
-    logits = F.linear(enter_tp_region(hidden, tp_group, sequence_parallel), weight)
-    if bias is not None:
-        logits = logits + bias
-    return mask_padded_vocab(logits, vocab_size, C.group_rank(tp_group))
+    vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf.
+
+    Computed vocabulary-major, ``weight @ hidden^T`` ([vocab / tp, tokens]), and handed back as its
+    transpose (a strided view: entries of one token lie ``tokens`` apart). The weight is then the
+    matmul's first operand with nothing between it and its parameter, so its gradient is a fresh
+    contiguous tensor: autograd adds a tied embedding's lookup gradient to it in place. Through
+    ``F.linear`` the gradient would reach the parameter as a transposed view, and the two
+    [vocab, hidden] gradients would be summed into a third (an allocation and a pass over 150 MB
+    a step for GPT-2's table in fp32). The matmul stays torch's own node, which computes only the
+    gradients a backward pass asks for (a zero-bubble schedule's B and W passes ask for one each)."""
+    x = enter_tp_region(hidden, tp_group, sequence_parallel)
+    rows = x.reshape(-1, x.shape[-1]).t()
+    logits_t = torch.mm(weight, rows) if bias is None else torch.addmm(bias.unsqueeze(-1), weight, rows)
+    mask_padded_vocab(logits_t, vocab_size, C.group_rank(tp_group))
+    return logits_t.t().view(*x.shape[:-1], logits_t.shape[0])
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Set the logits of padded vocabulary entries of this TP shard to -inf, so that the loss and
-    sampled tokens do not depend on how much padding the layout needs.
+def mask_padded_vocab(logits_t: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Set the vocabulary-major logits ([vocab / tp, tokens]) of this TP shard's padded vocabulary
+    entries to -inf, so that the loss and sampled tokens do not depend on how much padding the
+    layout needs.
 
-    In place and outside autograd: the linear layer that made the logits keeps no output for
-    backward, and the gradient reaching these entries is already zero (a softmax of -inf, never a
-    target). Recorded by autograd, the assignment to a slice would copy the whole [tokens, vocab]
-    gradient in backward (CopySlices) only to zero what is zero."""
-    first_padded = vocab_size - tp_rank * logits.shape[-1]
-    if first_padded < logits.shape[-1]:
+    In place and outside autograd, on the matmul's own output before any view of it exists: the
+    matmul keeps no output for backward, and the gradient reaching these entries is already zero
+    (a softmax of -inf, never a target). Recorded by autograd, the assignment would copy the whole
+    [tokens, vocab] gradient in backward only to zero what is zero; done to a view, it would make
+    autograd rebuild the view's backward as a strided copy of the whole base."""
+    first_padded = vocab_size - tp_rank * logits_t.shape[0]
+    if first_padded < logits_t.shape[0]:
         with torch.no_grad():
-            logits[..., max(first_padded, 0):] = float("-inf")
-    return logits
+            logits_t[max(first_padded, 0):] = float("-inf")
+    return logits_t

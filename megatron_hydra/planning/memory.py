@@ -96,11 +96,12 @@ micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 
 Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
 The cross-entropy transient, on any device, on ranks holding the last stage: while the loss of one
-micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above, the head's logits
-(v bytes) exist (16-bit logits: their fp32 copy becomes that softmax in place); in backward the
-softmax becomes the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes
-again), so the transient is v b s V/t bytes (b micro-batch, s the full sequence, s/c under context
-parallelism, V the padded vocabulary, sharded over t). On
+micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above, 16-bit logits
+(v bytes) exist, their fp32 copy becoming that softmax in place; in backward the softmax becomes
+the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes again), so the
+transient is v b s V/t bytes (b micro-batch, s the full sequence, s/c under context parallelism,
+V the padded vocabulary, sharded over t). fp32 and fp64 logits are handed to the loss, become the
+softmax themselves and then the gradient: no transient. On
 GPUs also the CUDA context of the process, NCCL's buffers and the caching allocator's
 fragmentation. The fit check compares the planned bytes plus headroom with the device
 (``MemoryPlan.fits``).
@@ -307,8 +308,10 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
 
 def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
                                   logits_dtype: torch.dtype) -> int:
-    """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): the
-    logits in their dtype (an fp32 copy of 16-bit logits is the softmax itself)."""
+    """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): 16-bit
+    logits (their fp32 copy is the softmax itself); fp32 and fp64 logits are the softmax."""
+    if logits_dtype.itemsize >= 4:
+        return 0
     return logits_dtype.itemsize * micro_batch * seq * padded_vocab // tp
 
 
