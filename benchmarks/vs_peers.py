@@ -1,12 +1,13 @@
 """Training-step throughput of our GPT against its peers, side by side, at the same shapes.
 
     pip install megatron-core        # optional peer (no CUDA extras needed here)
-    python benchmarks/vs_peers.py [layers=2] [steps=3] [warmup=1] [seqs=512,1024] [dtypes=float32,bfloat16] [threads=N]
+    python benchmarks/vs_peers.py [layers=2] [steps=9] [warmup=1] [seqs=512,1024] [dtypes=float32,bfloat16] [threads=N]
 
 The shapes, the training step (forward, loss, backward, AdamW) and the timing are
 ``vs_transformers.py``'s (torch's fused AdamW on every side, hidden 768, 12 heads, vocabulary
-50257; this process's CPU time per token, the steps of all models interleaved, medians after a
-warm-up step). Peers, each in the
+50257; this process's CPU time, the steps of all models interleaved round by round after
+``warmup`` rounds; tokens per CPU-second of the median step, and our speedup as the median over
+rounds of the peer's step time over ours in the same round). Peers, each in the
 GPT-2 form (learned positions, LayerNorm, GELU, tied embeddings) and the Llama form (RoPE,
 RMSNorm, SwiGLU with ffn 2048, untied head):
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import sys
 import time
 from typing import List
@@ -51,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_transformers import HEADS, HIDDEN, LLAMA_FFN, VOCAB, adamw, ours, step_fn, theirs, timed  # noqa: E402
+from vs_transformers import HEADS, HIDDEN, LLAMA_FFN, VOCAB, adamw, ours, speedup, step_fn, theirs, timed  # noqa: E402
 
 
 def _megatron_core_on_cpu():
@@ -120,7 +122,7 @@ def megatron_step(model, tokens: torch.Tensor, labels: torch.Tensor):
 
 def main(argv: List[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
-    layers, steps, warmup = int(args.get("layers", 2)), int(args.get("steps", 3)), int(args.get("warmup", 1))
+    layers, steps, warmup = int(args.get("layers", 2)), int(args.get("steps", 9)), int(args.get("warmup", 1))
     if "threads" in args:
         torch.set_num_threads(int(args["threads"]))
     seqs = [int(s) for s in args.get("seqs", "512,1024").split(",")]
@@ -129,7 +131,8 @@ def main(argv: List[str]) -> None:
     torch.manual_seed(0)
     peers = ["megatron_core"] * (mcore is not None) + ["transformers"]
     print(f"threads={torch.get_num_threads()} layers={layers} hidden={HIDDEN} heads={HEADS} vocab={VOCAB} batch=1 "
-          f"steps={steps}; tokens per CPU-second (median after {warmup} warm-up steps)"
+          f"steps={steps}; tokens per CPU-second of the median step after {warmup} warm-up rounds; "
+          "ratio: median over rounds of the peer's step time over ours"
           + ("" if mcore else "; megatron-core not installed"))
     print(f"{'model':<7}{'dtype':<10}{'seq':>5}{'ours':>8}" + "".join(f"{p:>15}{'ratio':>7}" for p in peers))
     for flavour in ("gpt2", "llama"):
@@ -143,9 +146,9 @@ def main(argv: List[str]) -> None:
                     fns["megatron_core"] = megatron_step(megatron_core(flavour, layers, seq, dtype), tokens, labels)
                 fns["transformers"] = step_fn(theirs(flavour, layers, dtype), True, tokens, tokens)
                 t = timed(fns, steps, warmup, time.process_time)
-                line = f"{flavour:<7}{dtype_name:<10}{seq:>5}{seq / t['ours']:>8.0f}"
+                line = f"{flavour:<7}{dtype_name:<10}{seq:>5}{seq / statistics.median(t['ours']):>8.0f}"
                 for peer in peers:
-                    line += f"{seq / t[peer]:>15.0f}{t[peer] / t['ours']:>7.2f}"
+                    line += f"{seq / statistics.median(t[peer]):>15.0f}{speedup(t, peer):>7.2f}"
                 print(line, flush=True)
 
 

@@ -1,6 +1,6 @@
 """Training-step throughput of our GPT against Hugging Face transformers at the same shapes.
 
-    python benchmarks/vs_transformers.py [layers=2] [steps=3] [batch=1] [seqs=512,1024] [dtypes=float32,bfloat16]
+    python benchmarks/vs_transformers.py [layers=2] [steps=9] [batch=1] [seqs=512,1024] [dtypes=float32,bfloat16]
                                          [threads=N] [clock=cpu|wall]
 
 One training step = forward, loss, backward and an AdamW step, on one process (this machine's
@@ -14,9 +14,11 @@ vocabulary 50257, a few layers so that it finishes in minutes on a small CPU):
 
 bfloat16 casts both models' parameters to bfloat16 (the optimizer steps them in bfloat16), the
 same treatment on both sides; both step with torch's fused AdamW (``adamw``). Steps of the two
-models alternate, so that load from other processes hits both alike; the median step after ``warmup`` steps is reported, timed by this
-process's CPU time (``clock=cpu``, robust on a shared machine) or elapsed time (``clock=wall``).
-Prints tokens per second of that clock and the ratio ours / transformers; asserts nothing.
+models alternate, so that load from other processes hits both alike, timed by this process's CPU
+time (``clock=cpu``, robust on a shared machine) or elapsed time (``clock=wall``), after
+``warmup`` rounds. Prints tokens per second of that clock (median step) and ours / transformers:
+the median over rounds of their step time over ours in the same round (``speedup``); asserts
+nothing.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def step_fn(model, hf: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Call
     return step
 
 
-def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int, clock: Callable[[], float]) -> Dict[str, float]:
-    """Median seconds per call of each function by ``clock``, calls interleaved."""
+def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int, clock: Callable[[], float]) -> Dict[str, List[float]]:
+    """Seconds of each call of each function by ``clock``, per round: a round calls every function
+    once, back to back; ``warmup`` rounds first are not kept."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
@@ -97,12 +100,19 @@ def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int, clock: Ca
             fn()
             if i >= warmup:
                 times[name].append(clock() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def speedup(times: Dict[str, List[float]], peer: str, ref: str = "ours") -> float:
+    """The median over rounds of the peer's step time over ours in the same round. The machine's
+    speed drifts between rounds (by up to 1.5x on a shared host) and hits both steps of a round
+    alike, so pairing them within a round is steadier than a ratio of two medians."""
+    return statistics.median(theirs / mine for theirs, mine in zip(times[peer], times[ref]))
 
 
 def main(argv: List[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
-    layers, steps = int(args.get("layers", 2)), int(args.get("steps", 3))
+    layers, steps = int(args.get("layers", 2)), int(args.get("steps", 9))
     batch, warmup = int(args.get("batch", 1)), int(args.get("warmup", 1))
     if "threads" in args:
         torch.set_num_threads(int(args["threads"]))
@@ -126,8 +136,8 @@ def main(argv: List[str]) -> None:
                 fns = {"ours": step_fn(ours(flavour, layers, seq, dtype), False, tokens, labels),
                        "hf": step_fn(theirs(flavour, layers, dtype), True, tokens, tokens)}
                 t = timed(fns, steps, warmup, clock)
-                ours_tps, hf_tps = batch * seq / t["ours"], batch * seq / t["hf"]
-                print(f"{flavour:<8}{dtype_name:<10}{seq:>6}{ours_tps:>16.0f}{hf_tps:>16.0f}{ours_tps / hf_tps:>8.2f}",
+                ours_tps, hf_tps = (batch * seq / statistics.median(t[k]) for k in ("ours", "hf"))
+                print(f"{flavour:<8}{dtype_name:<10}{seq:>6}{ours_tps:>16.0f}{hf_tps:>16.0f}{speedup(t, 'hf'):>8.2f}",
                       flush=True)
 
 

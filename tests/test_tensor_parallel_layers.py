@@ -6,7 +6,8 @@ upstream gradients from a fixed seed, keeps its shard, and compares its shard of
 of every gradient with the same slice of the reference (``F.linear``, ``F.embedding``,
 ``F.cross_entropy`` on the full tensors). Gradients of parameters that sequence parallelism
 leaves partial on each rank are summed over TP with a raw ``dist.all_reduce`` first, as the
-optimizer step does. Float64 throughout: any real error is far above 1e-6.
+optimizer step does. Float64 throughout: a real error, or arithmetic dropped to fp32 (1e-7),
+is far above the 1e-10 held to.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ import pytest
 from conftest import spawn_ranks
 
 WORLD = 4
-TOL = 1e-6
+TOL = 1e-10
 B, S, IN, OUT, VOCAB = 2, 8, 12, 16, 24
 LAYER_CASES = [f"{layer}-tp{tp}{'-sp' if sp else ''}"
                for layer in ("column", "column_gather", "row", "embedding") for tp in (2, 4) for sp in (False, True)
                if not (layer == "column_gather" and sp)]
 CE_CASES = [f"cross_entropy-tp{tp}" for tp in (1, 2, 4)]
+# bf16 logits: the loss takes their exponentials in fp32 slices of the vocabulary, here 5 entries
+# each (a ragged last slice at every tp), recomputed in backward. The reference is fp64 on the same
+# bf16 values: the loss is fp32 arithmetic, the gradient is rounded to bf16 (2^-8 relative).
+CE16_CASES = [f"cross_entropy_bf16-tp{tp}" for tp in (1, 2, 4)]
+CE16_TOL = {"out": 1e-6, "grad_logits": 2.0 ** -8}
 
 
 def _rel_err(ours, ref) -> float:
@@ -128,6 +134,32 @@ def _check_cross_entropy(ps):
             "grad_logits": _rel_err(shard.grad, logits.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank])}
 
 
+def _check_cross_entropy_bf16(ps):
+    import torch
+    import torch.nn.functional as F
+
+    import megatron_hydra.parallel.cross_entropy as CE
+
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(B, S, VOCAB, generator=gen) * 30).to(torch.bfloat16)
+    target = torch.randint(0, VOCAB, (B, S), generator=gen)
+    upstream = torch.rand(B, S, generator=gen, dtype=torch.float64)
+    full = logits.double().requires_grad_()
+    ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), reduction="none").view(B, S)
+    ref.backward(upstream)
+    shard = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
+    chunk, CE.CHUNK_ELEMENTS = CE.CHUNK_ELEMENTS, B * S * 5
+    try:
+        assert len(CE.vocab_chunks(VOCAB // ps.tp_size, B * S)) > 1
+        loss = CE.vocab_parallel_cross_entropy(shard, target, ps.tp_group)
+        loss.backward(upstream.float())
+    finally:
+        CE.CHUNK_ELEMENTS = chunk
+    assert shard.grad.dtype == torch.bfloat16
+    return {"out": _rel_err(loss.double(), ref.detach()),
+            "grad_logits": _rel_err(shard.grad.double(), full.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank])}
+
+
 def _all_checks(rank, world):
     import torch
 
@@ -138,6 +170,7 @@ def _all_checks(rank, world):
     for tp in (1, 2, 4):
         ps = ParallelState.build(tp=tp, dp=world // tp)
         results[f"cross_entropy-tp{tp}"] = _check_cross_entropy(ps)
+        results[f"cross_entropy_bf16-tp{tp}"] = _check_cross_entropy_bf16(ps)
         if tp == 1:
             continue
         for case in LAYER_CASES:
@@ -159,3 +192,10 @@ def test_sharded_equals_unsharded(errors, case):
     for rank in range(WORLD):
         errs = errors[rank][case]
         assert errs and all(e < TOL for e in errs.values()), (rank, errs)
+
+
+@pytest.mark.parametrize("case", CE16_CASES)
+def test_sharded_bf16_cross_entropy_equals_fp64_reference(errors, case):
+    for rank in range(WORLD):
+        errs = errors[rank][case]
+        assert errs.keys() == CE16_TOL.keys() and all(errs[k] < CE16_TOL[k] for k in errs), (rank, errs)

@@ -3,6 +3,15 @@
 Never gathers the full-vocabulary logits: each rank reduces its shard to three numbers per token
 (the max, the sum of exponentials, the target's logit if it owns the target) and those are
 all-reduced. The backward is softmax minus the one-hot target, on the local shard only.
+
+fp32 and fp64 logits: the softmax is built in one [tokens, vocab / tp] tensor, the caller's logits
+themselves when it hands them over, and saved for backward, where it becomes the gradient in place.
+16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (at most
+``CHUNK_ELEMENTS`` entries each, in one buffer), and backward recomputes them from the saved
+logits, slice by slice, writing the gradient in the logits' dtype. So the loss keeps the logits
+(2 bytes an entry) instead of an fp32 softmax (4), and never allocates an fp32 copy of the whole
+logits (on a CPU each such fresh allocation also faults its pages in anew). The slices' sums add
+in another order than one sum over the shard: the loss moves by an fp32 rounding.
 """
 
 from __future__ import annotations
@@ -12,42 +21,81 @@ import torch.distributed as dist
 
 from megatron_hydra.parallel import collectives as C
 
+# Entries of the fp32 slice of 16-bit logits (16 MiB), one buffer per pass reused by every slice.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def vocab_chunks(local_vocab: int, tokens: int):
+    """The [start, stop) vocabulary slices 16-bit logits of ``tokens`` tokens are processed in."""
+    step = max(1, CHUNK_ELEMENTS // max(tokens, 1))
+    return [(start, min(start + step, local_vocab)) for start in range(0, local_vocab, step)]
+
+
+def _targets(target: torch.Tensor, group, local_vocab: int):
+    local_target = target - C.group_rank(group) * local_vocab
+    outside = (local_target < 0) | (local_target >= local_vocab)
+    return local_target.masked_fill(outside, 0), outside
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, inplace: bool):
-        copied = logits.dtype in (torch.float16, torch.bfloat16)
-        logits = logits.float() if copied else logits
         local_vocab = logits.shape[-1]
-        start = C.group_rank(group) * local_vocab
-        logits_max = logits.amax(dim=-1)
+        local_target, outside = _targets(target, group, local_vocab)
+        ctx.sixteen_bit = logits.dtype in (torch.float16, torch.bfloat16)
+        dtype = torch.float32 if ctx.sixteen_bit else logits.dtype  # of the loss's arithmetic
+        logits_max = logits.amax(dim=-1).to(dtype)  # exact in any dtype
         C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        # The softmax is built in place in this function's own fp32 copy of 16-bit logits, or in the
-        # caller's logits when it hands them over (``inplace``); else in one new tensor.
-        shifted = logits.sub_(logits_max.unsqueeze(-1)) if copied or inplace else logits - logits_max.unsqueeze(-1)
-
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= local_vocab)
-        local_target = local_target.masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(dtype) - logits_max
+        predicted = predicted.masked_fill(outside, 0.0)
         C.all_reduce(predicted, group)
-
-        exp = shifted.exp_()  # in place: [tokens, vocab / tp] is the largest activation of the model
-        sum_exp = exp.sum(dim=-1)
+        if ctx.sixteen_bit:
+            chunks = vocab_chunks(local_vocab, local_target.numel())
+            buffer = _fp32_buffer(logits, chunks[0][1])
+            sum_exp = sum(_exp_slice(buffer, logits, logits_max, start, stop).sum(dim=-1) for start, stop in chunks)
+        else:
+            shifted = logits.sub_(logits_max.unsqueeze(-1)) if inplace else logits - logits_max.unsqueeze(-1)
+            exp = shifted.exp_()  # in place: [tokens, vocab / tp] is the largest activation of the model
+            sum_exp = exp.sum(dim=-1)
         C.all_reduce(sum_exp, group)
         loss = sum_exp.log() - predicted
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
+        if ctx.sixteen_bit:
+            ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
+        else:
+            ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        # The saved softmax becomes the gradient in place (backward runs once; Megatron does the same).
-        grad, local_target, outside = ctx.saved_tensors
-        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
+        if not ctx.sixteen_bit:
+            # The saved softmax becomes the gradient in place (backward runs once; Megatron does the same).
+            grad, local_target, outside = ctx.saved_tensors
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+            return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
+        logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        chunks = vocab_chunks(logits.shape[-1], local_target.numel())
+        buffer = _fp32_buffer(logits, chunks[0][1])
+        for start, stop in chunks:
+            softmax = _exp_slice(buffer, logits, logits_max, start, stop).div_(sum_exp.unsqueeze(-1))
+            owned = ~outside & (local_target >= start) & (local_target < stop)
+            index = (local_target - start).clamp_(0, stop - start - 1).unsqueeze(-1)
+            softmax.scatter_add_(-1, index, -owned.to(softmax.dtype).unsqueeze(-1))
+            grad[..., start:stop] = softmax.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def _fp32_buffer(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """One fp32 slice's memory, laid out as the logits are (vocabulary-major from the models' head),
+    allocated once per pass and reused by every slice."""
+    return torch.empty_like(logits[..., :width], dtype=torch.float32)
+
+
+def _exp_slice(buffer: torch.Tensor, logits: torch.Tensor, logits_max: torch.Tensor, start: int,
+               stop: int) -> torch.Tensor:
+    """exp(logits - max) in fp32 for the vocabulary entries [start, stop), in ``buffer``."""
+    out = buffer[..., :stop - start]
+    return out.copy_(logits[..., start:stop]).sub_(logits_max.unsqueeze(-1)).exp_()
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None, *,
@@ -57,6 +105,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     ``inplace``: the caller hands its fp32 (or fp64) logits over and never reads them again; they
     become the softmax, saving a [tokens, vocab / tp] tensor (Megatron's loss always does this).
     The models' heads pass their logits this way. Logits autograd saved for a backward cannot be
-    handed over (autograd refuses that backward). 16-bit logits are never written: the loss works
-    in its own fp32 copy of them either way."""
+    handed over (autograd refuses that backward). 16-bit logits are never written."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

@@ -80,8 +80,9 @@ b (a/(t c)) s d v bytes.
 Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own terms, T5's
 encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
 keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
-the LM head's input (v sbh: replicated, or gathered under SP) and the cross entropy's softmax
-(max(4, v) sbV/t, fp32 for 16-bit logits) with its targets (8 sb).
+the LM head's input (v sbh: replicated, or gathered under SP) and the logits the cross entropy
+keeps (v sbV/t: the softmax itself for fp32 and fp64; 16-bit logits, from which backward
+recomputes the softmax) with its targets (8 sb).
 
 Pipeline buffers (``pipeline_buffer_bytes``): torch's pipeline stages allocate, once, a receive
 buffer per micro-batch for the activation they receive and another for the gradient that comes
@@ -96,12 +97,12 @@ micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 
 Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
 The cross-entropy transient, on any device, on ranks holding the last stage: while the loss of one
-micro-batch runs (``parallel.cross_entropy``), besides the softmax counted above, 16-bit logits
-(v bytes) exist, their fp32 copy becoming that softmax in place; in backward the softmax becomes
-the fp32 gradient in place and autograd casts it to the logits' dtype (v bytes again), so the
-transient is v b s V/t bytes (b micro-batch, s the full sequence, s/c under context parallelism,
-V the padded vocabulary, sharded over t). fp32 and fp64 logits are handed to the loss, become the
-softmax themselves and then the gradient: no transient. On
+micro-batch runs (``parallel.cross_entropy``), besides the logits it keeps (counted above), 16-bit
+logits take their exponentials in one fp32 buffer of at most 2^22 entries (b s w, w vocabulary
+entries a slice), forward and again in backward, where the gradient is written in the logits'
+dtype: v b s V/t + 4 b s w bytes (b micro-batch, s the full sequence, s/c under context
+parallelism, V the padded vocabulary, sharded over t). fp32 and fp64 logits are handed to the loss
+and become the softmax themselves, then the gradient: no transient. On
 GPUs also the CUDA context of the process, NCCL's buffers and the caching allocator's
 fragmentation. The fit check compares the planned bytes plus headroom with the device
 (``MemoryPlan.fits``).
@@ -251,7 +252,7 @@ def head_bytes(tc: TransformerConfig, shape: dict, tokens: float, tp: int) -> fl
     """What the final norm, the LM head and the loss over ``tokens`` per sample keep per micro-batch."""
     r = 1.0 / tp if tc.sequence_parallel else 1.0
     b, h, v = shape["micro_batch"], shape["hidden"], shape["value_bytes"]
-    return v * tokens * b * h * r + v * tokens * b * h + max(4, v) * tokens * b * tc.padded_vocab_size / tp + 8 * tokens * b
+    return v * tokens * b * h * r + v * tokens * b * h + v * tokens * b * tc.padded_vocab_size / tp + 8 * tokens * b
 
 
 def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[StackBytes]) -> Tuple[float, float]:
@@ -308,11 +309,15 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
 
 def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
                                   logits_dtype: torch.dtype) -> int:
-    """Bytes the loss of one micro-batch holds at once beyond its softmax (module docstring): 16-bit
-    logits (their fp32 copy is the softmax itself); fp32 and fp64 logits are the softmax."""
+    """Bytes the loss of one micro-batch holds at once beyond the logits it keeps (module
+    docstring): for 16-bit logits their gradient and one fp32 slice; none for fp32 and fp64."""
     if logits_dtype.itemsize >= 4:
         return 0
-    return logits_dtype.itemsize * micro_batch * seq * padded_vocab // tp
+    from megatron_hydra.parallel.cross_entropy import vocab_chunks
+
+    tokens = micro_batch * seq
+    slice_width = vocab_chunks(padded_vocab // tp, tokens)[0][1]
+    return logits_dtype.itemsize * tokens * padded_vocab // tp + 4 * tokens * slice_width
 
 
 def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> List[str]:
@@ -435,7 +440,7 @@ class MemoryPlan:
             return []
         per_comm = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
         items = [("cross-entropy transient", peak.transient_bytes,
-                  "one micro-batch's logits, last stage only"),
+                  "16-bit logits' gradient and one fp32 slice, last stage only"),
                  ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
                  ("NCCL buffers", peak.nccl_bytes,
                   f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
