@@ -1,6 +1,6 @@
 """Training-step throughput of our GPT against Hugging Face transformers at the same shapes.
 
-    python benchmarks/vs_transformers.py [layers=2] [steps=9] [batch=1] [seqs=512,1024] [dtypes=float32,bfloat16]
+    python benchmarks/vs_transformers.py [layers=2] [steps=9] [warmup=3] [batch=1] [seqs=512,1024] [dtypes=float32,bfloat16]
                                          [threads=N] [clock=cpu|wall]
 
 One training step = forward, loss, backward and an AdamW step, on one process (this machine's
@@ -92,10 +92,14 @@ def step_fn(model, hf: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Call
 
 def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int, clock: Callable[[], float]) -> Dict[str, List[float]]:
     """Seconds of each call of each function by ``clock``, per round: a round calls every function
-    once, back to back; ``warmup`` rounds first are not kept."""
+    once, back to back, each round starting one function later than the last (so that none always
+    runs right after the same other, which may leave the allocator's heap trimmed or the caches
+    cold); ``warmup`` rounds first are not kept."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
+    names = list(fns)
     for i in range(warmup + steps):
-        for name, fn in fns.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
             start = clock()
             fn()
             if i >= warmup:
@@ -113,7 +117,7 @@ def speedup(times: Dict[str, List[float]], peer: str, ref: str = "ours") -> floa
 def main(argv: List[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
     layers, steps = int(args.get("layers", 2)), int(args.get("steps", 9))
-    batch, warmup = int(args.get("batch", 1)), int(args.get("warmup", 1))
+    batch, warmup = int(args.get("batch", 1)), int(args.get("warmup", 3))
     if "threads" in args:
         torch.set_num_threads(int(args["threads"]))
     # cpu: this process's CPU seconds, which other processes' load on a shared machine barely
