@@ -105,7 +105,8 @@ def main(argv):
     # model is its upper quartile of steps. The median step moves with the host's load: on a shared
     # 2-core host its MFU read 0.48 to 0.62 over five runs; over three more runs the upper quartile
     # read 0.557 to 0.589 where the median read 0.518 to 0.565.
-    fast_flops = flops * statistics.quantiles([float(r["tokens_per_s"]) for r in rows], n=4)[2] / tokens
+    rates = [float(r["tokens_per_s"]) for r in rows]
+    fast_flops = flops * (statistics.quantiles(rates, n=4)[2] if len(rates) > 1 else rates[0]) / tokens
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; model {model_flops / 1e9:.1f} GFLOP/s (median step), "
           f"{fast_flops / 1e9:.1f} GFLOP/s (upper quartile of steps)")
     print(f"CPU MFU {fast_flops / peak:.3f} (upper quartile against the best matmul; median step: {model_flops / peak:.3f})")

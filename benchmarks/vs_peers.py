@@ -33,7 +33,7 @@ Megatron-Core is 4-6%: there half of a step is the LM head's three matmuls, the 
 every side. A
 single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs.
 What the lead rests on, besides fused attention: the cross entropy allocates no [tokens x vocab]
-tensor of its own, and with tied embeddings the two gradients of the table are summed in place
+tensor but the gradient of 16-bit logits, and with tied embeddings the two gradients of the table are summed in place
 (the head runs vocabulary-major), so a step faults in fewer fresh pages (docs/hf_interop.md):
 100k against Megatron-Core's 124k in fp32 GPT-2 at seq 512, 63k against 104k in bf16. torchtitan is not in
 the table: its 0.3.0 wheel imports ``spmd_types``, which no index this project installs from

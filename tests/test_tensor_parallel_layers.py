@@ -23,9 +23,10 @@ LAYER_CASES = [f"{layer}-tp{tp}{'-sp' if sp else ''}"
                for layer in ("column", "column_gather", "row", "embedding") for tp in (2, 4) for sp in (False, True)
                if not (layer == "column_gather" and sp)]
 CE_CASES = [f"cross_entropy-tp{tp}" for tp in (1, 2, 4)]
-# bf16 logits: the loss takes their exponentials in fp32 slices of the vocabulary, here 5 entries
-# each (a ragged last slice at every tp), recomputed in backward. The reference is fp64 on the same
-# bf16 values: the loss is fp32 arithmetic, the gradient is rounded to bf16 (2^-8 relative).
+# bf16 and fp16 logits, token-major and vocabulary-major (as the models' head hands them over): the
+# loss takes their exponentials in fp32 slices of the vocabulary, here 5 entries each (a ragged last
+# slice at every tp), recomputed in backward. The reference is fp64 on the same 16-bit values: the
+# loss is fp32 arithmetic, the gradient is rounded to 16 bits (2^-8 relative for bf16).
 CE16_CASES = [f"cross_entropy_bf16-tp{tp}" for tp in (1, 2, 4)]
 CE16_TOL = {"out": 1e-6, "grad_logits": 2.0 ** -8}
 
@@ -130,8 +131,13 @@ def _check_cross_entropy(ps):
     shard = logits.detach().chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(shard, target, ps.tp_group)
     loss.backward(upstream)
-    return {"out": _rel_err(loss, ref.detach()),
-            "grad_logits": _rel_err(shard.grad, logits.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank])}
+    # Handed over, as the models do: a non-leaf copy of the shard becomes the softmax, then the gradient.
+    handed = shard.detach().clone().requires_grad_()
+    loss_handed = vocab_parallel_cross_entropy(handed * 1.0, target, ps.tp_group, inplace=True)
+    loss_handed.backward(upstream)
+    ref_grad = logits.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
+    return {"out": _rel_err(loss, ref.detach()), "grad_logits": _rel_err(shard.grad, ref_grad),
+            "out_inplace": _rel_err(loss_handed, ref.detach()), "grad_logits_inplace": _rel_err(handed.grad, ref_grad)}
 
 
 def _check_cross_entropy_bf16(ps):
@@ -141,23 +147,33 @@ def _check_cross_entropy_bf16(ps):
     import megatron_hydra.parallel.cross_entropy as CE
 
     gen = torch.Generator().manual_seed(12)
-    logits = (torch.randn(B, S, VOCAB, generator=gen) * 30).to(torch.bfloat16)
+    values = torch.randn(B, S, VOCAB, generator=gen) * 30
     target = torch.randint(0, VOCAB, (B, S), generator=gen)
     upstream = torch.rand(B, S, generator=gen, dtype=torch.float64)
-    full = logits.double().requires_grad_()
-    ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), reduction="none").view(B, S)
-    ref.backward(upstream)
-    shard = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
-    chunk, CE.CHUNK_ELEMENTS = CE.CHUNK_ELEMENTS, B * S * 5
-    try:
-        assert len(CE.vocab_chunks(VOCAB // ps.tp_size, B * S)) > 1
-        loss = CE.vocab_parallel_cross_entropy(shard, target, ps.tp_group)
-        loss.backward(upstream.float())
-    finally:
-        CE.CHUNK_ELEMENTS = chunk
-    assert shard.grad.dtype == torch.bfloat16
-    return {"out": _rel_err(loss.double(), ref.detach()),
-            "grad_logits": _rel_err(shard.grad.double(), full.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank])}
+    errs = {"out": 0.0, "grad_logits": 0.0}
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = values.to(dtype)
+        full = logits.double().requires_grad_()
+        ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), reduction="none").view(B, S)
+        ref.backward(upstream)
+        ref_grad = full.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
+        for vocab_major in (False, True):
+            local = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
+            # The leaf is [vocab / tp, tokens] for the vocabulary-major case; the loss sees its transpose.
+            leaf = (local.reshape(B * S, -1).t().contiguous() if vocab_major else local.clone()).requires_grad_()
+            shard = leaf.t().view(B, S, -1) if vocab_major else leaf
+            chunk, CE.CHUNK_ELEMENTS = CE.CHUNK_ELEMENTS, B * S * 5
+            try:
+                assert len(CE.vocab_chunks(VOCAB // ps.tp_size, B * S)) > 1
+                loss = CE.vocab_parallel_cross_entropy(shard, target, ps.tp_group, inplace=True)
+                loss.backward(upstream.float())
+            finally:
+                CE.CHUNK_ELEMENTS = chunk
+            grad = leaf.grad.t().reshape(B, S, -1) if vocab_major else leaf.grad
+            assert leaf.grad.dtype == dtype and torch.equal(shard.detach(), local)  # 16-bit logits stay as they were
+            errs["out"] = max(errs["out"], _rel_err(loss.double(), ref.detach()))
+            errs["grad_logits"] = max(errs["grad_logits"], _rel_err(grad.double(), ref_grad))
+    return errs
 
 
 def _all_checks(rank, world):

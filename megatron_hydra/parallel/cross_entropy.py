@@ -6,9 +6,9 @@ all-reduced. The backward is softmax minus the one-hot target, on the local shar
 
 fp32 and fp64 logits: the softmax is built in one [tokens, vocab / tp] tensor, the caller's logits
 themselves when it hands them over, and saved for backward, where it becomes the gradient in place.
-16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (at most
-``CHUNK_ELEMENTS`` entries each, in one buffer), and backward recomputes them from the saved
-logits, slice by slice, writing the gradient in the logits' dtype. So the loss keeps the logits
+16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (``CHUNK_ELEMENTS``
+entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer), and backward
+recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype. So the loss keeps the logits
 (2 bytes an entry) instead of an fp32 softmax (4), and never allocates an fp32 copy of the whole
 logits (on a CPU each such fresh allocation also faults its pages in anew). The slices' sums add
 in another order than one sum over the shard: the loss moves by an fp32 rounding.
@@ -21,13 +21,16 @@ import torch.distributed as dist
 
 from megatron_hydra.parallel import collectives as C
 
-# Entries of the fp32 slice of 16-bit logits (16 MiB), one buffer per pass reused by every slice.
+# Entries of the fp32 slice of 16-bit logits (16 MiB), one buffer per pass reused by every slice;
+# wider where that would take more than MAX_SLICES slices (long micro-batches: each slice is a dozen
+# kernel launches on a GPU).
 CHUNK_ELEMENTS = 1 << 22
+MAX_SLICES = 64
 
 
 def vocab_chunks(local_vocab: int, tokens: int):
     """The [start, stop) vocabulary slices 16-bit logits of ``tokens`` tokens are processed in."""
-    step = max(1, CHUNK_ELEMENTS // max(tokens, 1))
+    step = max(1, CHUNK_ELEMENTS // max(tokens, 1), -(-local_vocab // MAX_SLICES))
     return [(start, min(start + step, local_vocab)) for start in range(0, local_vocab, step)]
 
 

@@ -81,8 +81,8 @@ Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own
 encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
 keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the logits the cross entropy
-keeps (v sbV/t: the softmax itself for fp32 and fp64; 16-bit logits, from which backward
-recomputes the softmax) with its targets (8 sb).
+keeps (v sbV/t: fp32 and fp64 ones become the softmax; backward recomputes it from 16-bit ones)
+with its targets (8 sb).
 
 Pipeline buffers (``pipeline_buffer_bytes``): torch's pipeline stages allocate, once, a receive
 buffer per micro-batch for the activation they receive and another for the gradient that comes
@@ -96,16 +96,13 @@ micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 (1 + (pp - 1)/(pp vpp)) x pp stages' worth); ZB-V: 2 pp chunks, as 1F1B's first stage. pp = 1: one.
 
 Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
-The cross-entropy transient, on any device, on ranks holding the last stage: while the loss of one
-micro-batch runs (``parallel.cross_entropy``), besides the logits it keeps (counted above), 16-bit
-logits take their exponentials in one fp32 buffer of at most 2^22 entries (b s w, w vocabulary
-entries a slice), forward and again in backward, where the gradient is written in the logits'
-dtype: v b s V/t + 4 b s w bytes (b micro-batch, s the full sequence, s/c under context
-parallelism, V the padded vocabulary, sharded over t). fp32 and fp64 logits are handed to the loss
-and become the softmax themselves, then the gradient: no transient. On
-GPUs also the CUDA context of the process, NCCL's buffers and the caching allocator's
-fragmentation. The fit check compares the planned bytes plus headroom with the device
-(``MemoryPlan.fits``).
+The cross-entropy transient on the last stage (``parallel.cross_entropy``): 16-bit logits take their
+exponentials in one fp32 buffer of b s w entries (w vocabulary entries a slice, ``vocab_chunks``),
+forward and backward, which writes their gradient in their dtype: v b s V/t + 4 b s w bytes (b
+micro-batch, s the full sequence, s/c under context parallelism, V the padded vocabulary over t);
+none for fp32 and fp64 logits, which become the softmax, then the gradient. On GPUs also the CUDA
+context of the process, NCCL's buffers and the caching allocator's fragmentation. The fit check compares the planned bytes plus headroom
+with the device (``MemoryPlan.fits``).
 """
 
 from __future__ import annotations
@@ -122,6 +119,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
+from megatron_hydra.parallel.cross_entropy import vocab_chunks
 from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
@@ -313,8 +311,6 @@ def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int,
     docstring): for 16-bit logits their gradient and one fp32 slice; none for fp32 and fp64."""
     if logits_dtype.itemsize >= 4:
         return 0
-    from megatron_hydra.parallel.cross_entropy import vocab_chunks
-
     tokens = micro_batch * seq
     slice_width = vocab_chunks(padded_vocab // tp, tokens)[0][1]
     return logits_dtype.itemsize * tokens * padded_vocab // tp + 4 * tokens * slice_width
