@@ -109,7 +109,8 @@ def main(argv):
     fast_flops = flops * (statistics.quantiles(rates, n=4)[2] if len(rates) > 1 else rates[0]) / tokens
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; model {model_flops / 1e9:.1f} GFLOP/s (median step), "
           f"{fast_flops / 1e9:.1f} GFLOP/s (upper quartile of steps)")
-    print(f"CPU MFU {fast_flops / peak:.3f} (upper quartile against the best matmul; median step: {model_flops / peak:.3f})")
+    print(f"CPU MFU {fast_flops / peak:.3f} (upper quartile against the best matmul; "
+          f"median step: {model_flops / peak:.3f})")
 
 
 if __name__ == "__main__":

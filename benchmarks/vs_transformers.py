@@ -90,7 +90,8 @@ def step_fn(model, hf: bool, tokens: torch.Tensor, labels: torch.Tensor) -> Call
     return step
 
 
-def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int, clock: Callable[[], float]) -> Dict[str, List[float]]:
+def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int,
+          clock: Callable[[], float]) -> Dict[str, List[float]]:
     """Seconds of each call of each function by ``clock``, per round: a round calls every function
     once, back to back, each round starting one function later than the last (so that none always
     runs right after the same other, which may leave the allocator's heap trimmed or the caches

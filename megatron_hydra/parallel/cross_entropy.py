@@ -8,10 +8,11 @@ fp32 and fp64 logits: the softmax is built in one [tokens, vocab / tp] tensor, t
 themselves when it hands them over, and saved for backward, where it becomes the gradient in place.
 16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (``CHUNK_ELEMENTS``
 entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer), and backward
-recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype. So the loss keeps the logits
-(2 bytes an entry) instead of an fp32 softmax (4), and never allocates an fp32 copy of the whole
-logits (on a CPU each such fresh allocation also faults its pages in anew). The slices' sums add
-in another order than one sum over the shard: the loss moves by an fp32 rounding.
+recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype.
+So the loss keeps the logits (2 bytes an entry) instead of an fp32 softmax (4), and never allocates
+an fp32 copy of the whole logits (on a CPU each such fresh allocation also faults its pages in
+anew). The slices' sums add in another order than one sum over the shard: the loss moves by an
+fp32 rounding.
 """
 
 from __future__ import annotations

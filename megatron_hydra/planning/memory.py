@@ -101,8 +101,8 @@ exponentials in one fp32 buffer of b s w entries (w vocabulary entries a slice, 
 forward and backward, which writes their gradient in their dtype: v b s V/t + 4 b s w bytes (b
 micro-batch, s the full sequence, s/c under context parallelism, V the padded vocabulary over t);
 none for fp32 and fp64 logits, which become the softmax, then the gradient. On GPUs also the CUDA
-context of the process, NCCL's buffers and the caching allocator's fragmentation. The fit check compares the planned bytes plus headroom
-with the device (``MemoryPlan.fits``).
+context of the process, NCCL's buffers and the caching allocator's fragmentation. The fit check
+compares the planned bytes plus headroom with the device (``MemoryPlan.fits``).
 """
 
 from __future__ import annotations
