@@ -340,15 +340,16 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
     # What the loss keeps, planned with the head's activations: v b s V (the softmax itself for fp32
     # and fp64, the 16-bit logits from which backward recomputes it).
     assert kept == pytest.approx(dtype.itemsize * b * s * vocab, abs=0.02 * b * s * vocab * 4)
-    # The formula: for 16-bit logits their gradient and one fp32 slice (here the whole vocabulary);
-    # fp32 and fp64 logits become the softmax themselves. Per-token vectors stay under 2%.
-    by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 2 + 4, torch.float64: 0}[dtype]
+    # The formula: for 16-bit logits one fp32 slice (here the whole vocabulary), their gradient
+    # written over them; fp32 and fp64 logits become the softmax themselves. Per-token vectors stay
+    # under 2%.
+    by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 4, torch.float64: 0}[dtype]
     assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand
     assert transient == pytest.approx(by_hand, abs=0.02 * b * s * vocab * 4)
-    # Not handed over, fp32 and fp64 logits stay as they were and the softmax is a new tensor.
+    # Not handed over, logits stay as they were and the softmax (the gradient) is a new tensor.
     logits = vocab_parallel_logits(x, w, None, False, vocab)
     before = logits.detach().clone()
-    vocab_parallel_cross_entropy(logits, target)
+    vocab_parallel_cross_entropy(logits, target).sum().backward()
     assert torch.equal(logits.detach(), before)
 
 
@@ -357,7 +358,7 @@ def test_plan_puts_the_transient_on_the_last_stage():
     plan = plan_memory(cfg, derive(cfg))
     first, last = plan.ranks
     padded_vocab = derive(cfg).transformer.padded_vocab_size  # 500 padded for tp 2
-    assert last.transient_bytes == (2 + 4) * 2 * 32 * padded_vocab // 2  # v b s V / t + one fp32 slice, here all V / t
+    assert last.transient_bytes == 4 * 2 * 32 * padded_vocab // 2  # one fp32 slice, here all V / t
     assert first.transient_bytes == 0
     assert first.context_bytes == first.nccl_bytes == first.fragmentation_bytes == 0  # CPU: no other headroom
     assert last.needed_bytes == last.total_bytes + last.transient_bytes
@@ -496,10 +497,10 @@ def test_context_parallel_divides_activations_and_adds_its_buffers(comm):
                 assert getattr(row, key) == getattr(ref, key), key
             # Stage-to-stage buffers: n micro-batches x [b, s/(cp t), h] bf16, one direction per rank here.
             assert row.pipeline_buffer_bytes == 2 * 2 * (16384 // (cp * 2)) * 128 * 2
-        # The loss's transient on the last stage: v b (s/cp) V/t with V = 512 padded for tp 2, plus
-        # one fp32 slice of the 256 local entries (2^22 or fewer entries: all of them here).
+        # The loss's transient on the last stage: one fp32 slice of b (s/cp) tokens by the 256 local
+        # entries (V = 512 padded for tp 2; 2^22 or fewer entries a slice: all of them here).
         tokens = 2 * (16384 // cp)
-        assert plan.ranks[1].transient_bytes == 2 * tokens * 512 // 2 + 4 * tokens * min(256, 2**22 // tokens)
+        assert plan.ranks[1].transient_bytes == 4 * tokens * min(256, 2**22 // tokens)
         table = plan.table()
         assert f"x dp 2 x cp {cp} ({comm})" in table.splitlines()[0] and "cp bufs" in table
 

@@ -158,21 +158,28 @@ def _check_cross_entropy_bf16(ps):
         ref.backward(upstream)
         ref_grad = full.grad.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
         for vocab_major in (False, True):
-            local = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
-            # The leaf is [vocab / tp, tokens] for the vocabulary-major case; the loss sees its transpose.
-            leaf = (local.reshape(B * S, -1).t().contiguous() if vocab_major else local.clone()).requires_grad_()
-            shard = leaf.t().view(B, S, -1) if vocab_major else leaf
-            chunk, CE.CHUNK_ELEMENTS = CE.CHUNK_ELEMENTS, B * S * 5
-            try:
-                assert len(CE.vocab_chunks(VOCAB // ps.tp_size, B * S)) > 1
-                loss = CE.vocab_parallel_cross_entropy(shard, target, ps.tp_group, inplace=True)
-                loss.backward(upstream.float())
-            finally:
-                CE.CHUNK_ELEMENTS = chunk
-            grad = leaf.grad.t().reshape(B, S, -1) if vocab_major else leaf.grad
-            assert leaf.grad.dtype == dtype and torch.equal(shard.detach(), local)  # 16-bit logits stay as they were
-            errs["out"] = max(errs["out"], _rel_err(loss.double(), ref.detach()))
-            errs["grad_logits"] = max(errs["grad_logits"], _rel_err(grad.double(), ref_grad))
+            for inplace in (False, True):
+                local = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank]
+                # The leaf is [vocab / tp, tokens] for the vocabulary-major case; the loss sees its transpose.
+                leaf = (local.reshape(B * S, -1).t().contiguous() if vocab_major else local.clone()).requires_grad_()
+                # Handed over, as the models do, the logits are a non-leaf tensor (the head's output).
+                stored = leaf * 1 if inplace else leaf
+                shard = stored.t().view(B, S, -1) if vocab_major else stored
+                chunk, CE.CHUNK_ELEMENTS = CE.CHUNK_ELEMENTS, B * S * 5
+                try:
+                    assert len(CE.vocab_chunks(VOCAB // ps.tp_size, B * S)) > 1
+                    loss = CE.vocab_parallel_cross_entropy(shard, target, ps.tp_group, inplace=inplace)
+                    loss.backward(upstream.float())
+                finally:
+                    CE.CHUNK_ELEMENTS = chunk
+                grad = leaf.grad.t().reshape(B, S, -1) if vocab_major else leaf.grad
+                assert leaf.grad.dtype == dtype
+                if inplace:  # handed-over 16-bit logits become their gradient
+                    assert torch.equal(stored.detach(), leaf.grad)
+                else:  # else they stay as they were
+                    assert torch.equal(shard.detach(), local)
+                errs["out"] = max(errs["out"], _rel_err(loss.double(), ref.detach()))
+                errs["grad_logits"] = max(errs["grad_logits"], _rel_err(grad.double(), ref_grad))
     return errs
 
 

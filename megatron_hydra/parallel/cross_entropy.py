@@ -8,11 +8,12 @@ fp32 and fp64 logits: the softmax is built in one [tokens, vocab / tp] tensor, t
 themselves when it hands them over, and saved for backward, where it becomes the gradient in place.
 16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (``CHUNK_ELEMENTS``
 entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer), and backward
-recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype.
-So the loss keeps the logits (2 bytes an entry) instead of an fp32 softmax (4), and never allocates
-an fp32 copy of the whole logits (on a CPU each such fresh allocation also faults its pages in
-anew). The slices' sums add in another order than one sum over the shard: the loss moves by an
-fp32 rounding.
+recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype:
+over the logits themselves when the caller handed them over (each slice is read before it is
+written), else into a new tensor. So the loss keeps the logits (2 bytes an entry) instead of an
+fp32 softmax (4), and never allocates an fp32 copy of the whole logits (on a CPU each such fresh
+allocation also faults its pages in anew). The slices' sums add in another order than one sum
+over the shard: the loss moves by an fp32 rounding.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         local_target, outside = _targets(target, group, local_vocab)
         ctx.sixteen_bit = logits.dtype in (torch.float16, torch.bfloat16)
+        ctx.inplace = inplace
         dtype = torch.float32 if ctx.sixteen_bit else logits.dtype  # of the loss's arithmetic
         logits_max = logits.amax(dim=-1).to(dtype)  # exact in any dtype
         C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
@@ -77,15 +79,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
             return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
         logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        grad = logits if ctx.inplace else torch.empty_like(logits)
         chunks = vocab_chunks(logits.shape[-1], local_target.numel())
         buffer = _fp32_buffer(logits, chunks[0][1])
+        # (softmax - one_hot) * grad_loss, as exp * (grad_loss / sum_exp) - one_hot * grad_loss.
+        scale = (grad_loss / sum_exp).unsqueeze(-1)
+        minus_grad = (-grad_loss).masked_fill(outside, 0.0)
         for start, stop in chunks:
-            softmax = _exp_slice(buffer, logits, logits_max, start, stop).div_(sum_exp.unsqueeze(-1))
-            owned = ~outside & (local_target >= start) & (local_target < stop)
+            grad_slice = _exp_slice(buffer, logits, logits_max, start, stop).mul_(scale)
+            owned = (local_target >= start) & (local_target < stop)
             index = (local_target - start).clamp_(0, stop - start - 1).unsqueeze(-1)
-            softmax.scatter_add_(-1, index, -owned.to(softmax.dtype).unsqueeze(-1))
-            grad[..., start:stop] = softmax.mul_(grad_loss.unsqueeze(-1))
+            grad_slice.scatter_add_(-1, index, (minus_grad * owned).unsqueeze(-1))
+            grad[..., start:stop] = grad_slice
         return grad, None, None, None
 
 
@@ -106,8 +111,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
                                  inplace: bool = False) -> torch.Tensor:
     """Per-token loss (no reduction), equal to ``F.cross_entropy(full_logits, target, reduction='none')``.
 
-    ``inplace``: the caller hands its fp32 (or fp64) logits over and never reads them again; they
-    become the softmax, saving a [tokens, vocab / tp] tensor (Megatron's loss always does this).
-    The models' heads pass their logits this way. Logits autograd saved for a backward cannot be
-    handed over (autograd refuses that backward). 16-bit logits are never written."""
+    ``inplace``: the caller hands its logits over and never reads them again, saving a
+    [tokens, vocab / tp] tensor: fp32 (and fp64) logits become the softmax in forward (Megatron's
+    loss always does this), 16-bit logits become their own gradient in backward. The models' heads
+    pass their logits this way. Logits autograd saved for another backward cannot be handed over
+    (autograd refuses that backward)."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

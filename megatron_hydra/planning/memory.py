@@ -98,9 +98,9 @@ micro-batches, at most n vpp (Megatron's warm-up; for rank 0 it is Megatron's
 Headroom: what a rank needs beyond the tensors above, each a named constant below with its source.
 The cross-entropy transient on the last stage (``parallel.cross_entropy``): 16-bit logits take their
 exponentials in one fp32 buffer of b s w entries (w vocabulary entries a slice, ``vocab_chunks``),
-forward and backward, which writes their gradient in their dtype: v b s V/t + 4 b s w bytes (b
-micro-batch, s the full sequence, s/c under context parallelism, V the padded vocabulary over t);
-none for fp32 and fp64 logits, which become the softmax, then the gradient. On GPUs also the CUDA
+forward and backward, which writes their gradient over them: 4 b s w bytes (b micro-batch, s the
+full sequence, s/c under context parallelism); none for fp32 and fp64 logits, which become the
+softmax, then the gradient. On GPUs also the CUDA
 context of the process, NCCL's buffers and the caching allocator's fragmentation. The fit check
 compares the planned bytes plus headroom with the device (``MemoryPlan.fits``).
 """
@@ -308,12 +308,12 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: 
 def cross_entropy_transient_bytes(micro_batch: int, seq: int, padded_vocab: int, tp: int,
                                   logits_dtype: torch.dtype) -> int:
     """Bytes the loss of one micro-batch holds at once beyond the logits it keeps (module
-    docstring): for 16-bit logits their gradient and one fp32 slice; none for fp32 and fp64."""
+    docstring): for 16-bit logits one fp32 slice (their gradient is written over them); none for fp32 and fp64."""
     if logits_dtype.itemsize >= 4:
         return 0
     tokens = micro_batch * seq
     slice_width = vocab_chunks(padded_vocab // tp, tokens)[0][1]
-    return logits_dtype.itemsize * tokens * padded_vocab // tp + 4 * tokens * slice_width
+    return 4 * tokens * slice_width
 
 
 def nccl_communicators(derived: Derived, first_or_last: bool, tied: bool) -> List[str]:
@@ -436,7 +436,7 @@ class MemoryPlan:
             return []
         per_comm = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
         items = [("cross-entropy transient", peak.transient_bytes,
-                  "16-bit logits' gradient and one fp32 slice, last stage only"),
+                  "one fp32 slice of 16-bit logits, last stage only"),
                  ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
                  ("NCCL buffers", peak.nccl_bytes,
                   f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
