@@ -337,11 +337,11 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
         forward_peak, live.peak = live.peak, live.now
         loss.sum().backward()
     transient = max(forward_peak - kept, live.peak - kept - x.numel() * dtype.itemsize)
-    # What the loss keeps, planned with the head's activations: v b s V (the softmax itself for fp32
+    # What the loss keeps, planned with the head's activations: v b s V (the exponentials for fp32
     # and fp64, the 16-bit logits from which backward recomputes it).
     assert kept == pytest.approx(dtype.itemsize * b * s * vocab, abs=0.02 * b * s * vocab * 4)
     # The formula: for 16-bit logits one fp32 slice (here the whole vocabulary), their gradient
-    # written over them; fp32 and fp64 logits become the softmax themselves. Per-token vectors stay
+    # written over them; fp32 and fp64 logits become their exponentials. Per-token vectors stay
     # under 2%.
     by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 4, torch.float64: 0}[dtype]
     assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand

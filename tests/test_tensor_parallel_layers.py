@@ -131,7 +131,7 @@ def _check_cross_entropy(ps):
     shard = logits.detach().chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(shard, target, ps.tp_group)
     loss.backward(upstream)
-    # Handed over, as the models do: a non-leaf copy of the shard becomes the softmax, then the gradient.
+    # Handed over, as the models do: a non-leaf copy of the shard becomes its exponentials, then the gradient.
     handed = shard.detach().clone().requires_grad_()
     loss_handed = vocab_parallel_cross_entropy(handed * 1.0, target, ps.tp_group, inplace=True)
     loss_handed.backward(upstream)

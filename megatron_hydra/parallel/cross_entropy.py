@@ -4,8 +4,10 @@ Never gathers the full-vocabulary logits: each rank reduces its shard to three n
 (the max, the sum of exponentials, the target's logit if it owns the target) and those are
 all-reduced. The backward is softmax minus the one-hot target, on the local shard only.
 
-fp32 and fp64 logits: the softmax is built in one [tokens, vocab / tp] tensor, the caller's logits
-themselves when it hands them over, and saved for backward, where it becomes the gradient in place.
+fp32 and fp64 logits: the exponentials (of the logits less their max) are taken in one
+[tokens, vocab / tp] tensor, the caller's logits themselves when it hands them over, and saved for
+backward, where they become the gradient in place: one multiplication by grad / sum per token
+(the softmax's division folded in), then the target's entry less grad.
 16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (``CHUNK_ELEMENTS``
 entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer), and backward
 recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype:
@@ -65,26 +67,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp = exp.sum(dim=-1)
         C.all_reduce(sum_exp, group)
         loss = sum_exp.log() - predicted
-        if ctx.sixteen_bit:
-            ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
-        else:
-            ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        # Saved: the 16-bit logits, or the fp32/fp64 exponentials (unnormalised: backward folds
+        # the division by their sum into its one multiplication).
+        ctx.save_for_backward(logits if ctx.sixteen_bit else exp, logits_max, sum_exp, local_target, outside)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        # (softmax - one_hot) * grad_loss, as exp * (grad_loss / sum_exp) - one_hot * grad_loss.
+        saved, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
+        scale = (grad_loss / sum_exp).unsqueeze(-1)
+        minus_grad = (-grad_loss).masked_fill(outside, 0.0)
         if not ctx.sixteen_bit:
-            # The saved softmax becomes the gradient in place (backward runs once; Megatron does the same).
-            grad, local_target, outside = ctx.saved_tensors
-            grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-            return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
-        logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
+            # The saved exponentials become the gradient in place (backward runs once; Megatron
+            # does the same with its softmax).
+            grad = saved.mul_(scale)
+            return grad.scatter_add_(-1, local_target.unsqueeze(-1), minus_grad.unsqueeze(-1)), None, None, None
+        logits = saved
         grad = logits if ctx.inplace else torch.empty_like(logits)
         chunks = vocab_chunks(logits.shape[-1], local_target.numel())
         buffer = _fp32_buffer(logits, chunks[0][1])
-        # (softmax - one_hot) * grad_loss, as exp * (grad_loss / sum_exp) - one_hot * grad_loss.
-        scale = (grad_loss / sum_exp).unsqueeze(-1)
-        minus_grad = (-grad_loss).masked_fill(outside, 0.0)
         for start, stop in chunks:
             grad_slice = _exp_slice(buffer, logits, logits_max, start, stop).mul_(scale)
             owned = (local_target >= start) & (local_target < stop)
@@ -112,8 +114,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     """Per-token loss (no reduction), equal to ``F.cross_entropy(full_logits, target, reduction='none')``.
 
     ``inplace``: the caller hands its logits over and never reads them again, saving a
-    [tokens, vocab / tp] tensor: fp32 (and fp64) logits become the softmax in forward (Megatron's
-    loss always does this), 16-bit logits become their own gradient in backward. The models' heads
+    [tokens, vocab / tp] tensor: fp32 (and fp64) logits become their exponentials in forward (as
+    Megatron's loss always makes them its softmax), 16-bit logits become their own gradient in
+    backward. The models' heads
     pass their logits this way. Logits autograd saved for another backward cannot be handed over
     (autograd refuses that backward)."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

@@ -81,7 +81,7 @@ Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own
 encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
 keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the logits the cross entropy
-keeps (v sbV/t: fp32 and fp64 ones become the softmax; backward recomputes it from 16-bit ones)
+keeps (v sbV/t: fp32 and fp64 ones become exponentials; backward recomputes them from 16-bit ones)
 with its targets (8 sb).
 
 Pipeline buffers (``pipeline_buffer_bytes``): torch's pipeline stages allocate, once, a receive
@@ -99,8 +99,8 @@ Headroom: what a rank needs beyond the tensors above, each a named constant belo
 The cross-entropy transient on the last stage (``parallel.cross_entropy``): 16-bit logits take their
 exponentials in one fp32 buffer of b s w entries (w vocabulary entries a slice, ``vocab_chunks``),
 forward and backward, which writes their gradient over them: 4 b s w bytes (b micro-batch, s the
-full sequence, s/c under context parallelism); none for fp32 and fp64 logits, which become the
-softmax, then the gradient. On GPUs also the CUDA
+full sequence, s/c under context parallelism); none for fp32 and fp64 logits, which become their
+exponentials, then the gradient. On GPUs also the CUDA
 context of the process, NCCL's buffers and the caching allocator's fragmentation. The fit check
 compares the planned bytes plus headroom with the device (``MemoryPlan.fits``).
 """
