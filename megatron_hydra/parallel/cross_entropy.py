@@ -9,13 +9,17 @@ fp32 and fp64 logits: the exponentials (of the logits less their max) are taken 
 backward, where they become the gradient in place: one multiplication by grad / sum per token
 (the softmax's division folded in), then the target's entry less grad.
 16-bit logits: the exponentials are taken in fp32 in slices of the vocabulary (``CHUNK_ELEMENTS``
-entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer), and backward
-recomputes them from the saved logits, slice by slice, writing the gradient in the logits' dtype:
-over the logits themselves when the caller handed them over (each slice is read before it is
-written), else into a new tensor. So the loss keeps the logits (2 bytes an entry) instead of an
-fp32 softmax (4), and never allocates an fp32 copy of the whole logits (on a CPU each such fresh
-allocation also faults its pages in anew). The slices' sums add in another order than one sum
-over the shard: the loss moves by an fp32 rounding.
+entries each, or 1/``MAX_SLICES`` of the shard where that is more, in one buffer). Handed-over bf16
+logits are overwritten by their exponentials, which backward scales, slice by slice, in fp32;
+otherwise backward recomputes them from the saved logits. Either way it writes the gradient in the
+logits' dtype: over them when the caller handed them over (each slice is read before it is
+written), else into a new tensor. So the loss keeps 2 bytes an entry instead of an fp32 softmax (4),
+and never allocates an fp32 copy of the whole logits (on a CPU each such fresh allocation also
+faults its pages in anew). The slices' sums add in another order than one sum over the shard: the
+loss moves by an fp32 rounding. A stored bf16 exponential is rounded once more than a recomputed
+one, so each gradient entry is within two bf16 roundings (2^-7 relative) instead of one (2^-8).
+That holds for the target's entry p - 1 too, which cannot cancel: the largest logit's exponential
+is exactly 1, so either the target is that one (exact) or p <= 1/2.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target, outside = _targets(target, group, local_vocab)
         ctx.sixteen_bit = logits.dtype in (torch.float16, torch.bfloat16)
         ctx.inplace = inplace
+        # Handed-over bf16 logits keep their exponentials (bf16 has fp32's exponent range, so none
+        # underflows that fp32 keeps; fp16's would): backward then need not recompute them.
+        ctx.stored = inplace and logits.dtype == torch.bfloat16
         dtype = torch.float32 if ctx.sixteen_bit else logits.dtype  # of the loss's arithmetic
         logits_max = logits.amax(dim=-1).to(dtype)  # exact in any dtype
         C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
@@ -60,15 +67,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.sixteen_bit:
             chunks = vocab_chunks(local_vocab, local_target.numel())
             buffer = _fp32_buffer(logits, chunks[0][1])
-            sum_exp = sum(_exp_slice(buffer, logits, logits_max, start, stop).sum(dim=-1) for start, stop in chunks)
+            sum_exp = torch.zeros_like(logits_max)
+            for start, stop in chunks:
+                exp = _exp_slice(buffer, logits, logits_max, start, stop)
+                sum_exp += exp.sum(dim=-1)
+                if ctx.stored:
+                    logits[..., start:stop] = exp
         else:
             shifted = logits.sub_(logits_max.unsqueeze(-1)) if inplace else logits - logits_max.unsqueeze(-1)
             exp = shifted.exp_()  # in place: [tokens, vocab / tp] is the largest activation of the model
             sum_exp = exp.sum(dim=-1)
         C.all_reduce(sum_exp, group)
         loss = sum_exp.log() - predicted
-        # Saved: the 16-bit logits, or the fp32/fp64 exponentials (unnormalised: backward folds
-        # the division by their sum into its one multiplication).
+        # Saved: the 16-bit logits (or their exponentials), or the fp32/fp64 exponentials
+        # (unnormalised: backward folds the division by their sum into its one multiplication).
         ctx.save_for_backward(logits if ctx.sixteen_bit else exp, logits_max, sum_exp, local_target, outside)
         return loss
 
@@ -83,12 +95,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # does the same with its softmax).
             grad = saved.mul_(scale)
             return grad.scatter_add_(-1, local_target.unsqueeze(-1), minus_grad.unsqueeze(-1)), None, None, None
-        logits = saved
-        grad = logits if ctx.inplace else torch.empty_like(logits)
-        chunks = vocab_chunks(logits.shape[-1], local_target.numel())
-        buffer = _fp32_buffer(logits, chunks[0][1])
+        grad = saved if ctx.inplace else torch.empty_like(saved)
+        chunks = vocab_chunks(saved.shape[-1], local_target.numel())
+        buffer = _fp32_buffer(saved, chunks[0][1])
         for start, stop in chunks:
-            grad_slice = _exp_slice(buffer, logits, logits_max, start, stop).mul_(scale)
+            if ctx.stored:
+                grad_slice = buffer[..., :stop - start].copy_(saved[..., start:stop]).mul_(scale)
+            else:
+                grad_slice = _exp_slice(buffer, saved, logits_max, start, stop).mul_(scale)
             owned = (local_target >= start) & (local_target < stop)
             index = (local_target - start).clamp_(0, stop - start - 1).unsqueeze(-1)
             grad_slice.scatter_add_(-1, index, (minus_grad * owned).unsqueeze(-1))
