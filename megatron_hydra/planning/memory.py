@@ -81,7 +81,7 @@ Outside the layers (Korthikanti's and Megatron's accounting; BERT's and T5's own
 encoder and decoder stacks and its cross-attention: ``planning.memory_archs``): the first stage
 keeps the token ids (8 sb) and the embedding-dropout mask (m sbh r); the last stage the final norm's input (v sbh r),
 the LM head's input (v sbh: replicated, or gathered under SP) and the logits the cross entropy
-keeps (v sbV/t: fp32 and fp64 ones become exponentials; backward recomputes them from 16-bit ones)
+keeps (v sbV/t: fp32, fp64 and bf16 ones become their exponentials, fp16 ones are kept as they are)
 with its targets (8 sb).
 
 Pipeline buffers (``pipeline_buffer_bytes``): torch's pipeline stages allocate, once, a receive
