@@ -1,6 +1,8 @@
 """Training-step throughput of our GPT against its peers, side by side, at the same shapes.
 
     pip install megatron-core        # optional peer (no CUDA extras needed here)
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing   # optional peer, then
+    pip install tyro torchdata einops triton                                           # what its import needs
     python benchmarks/vs_peers.py [layers=2] [steps=9] [warmup=3] [seqs=512,1024] [dtypes=float32,bfloat16] [threads=N]
 
 The shapes, the training step (forward, loss, backward, AdamW) and the timing are
@@ -17,27 +19,36 @@ RMSNorm, SwiGLU with ffn 2048, untied head):
   scratch buffer is allocated there) answers ``"cpu"``; its default causal mask is built on the
   CPU; its CUDA RNG tracker's ``fork`` around attention dropout is a no-op (dropout is off); its
   CUDA seeding is skipped. Its attention is the unfused softmax path of the local spec.
+- torchtitan's ``Llama3Model`` (Llama form only: torchtitan has no GPT-2 form), when
+  ``torchtitan`` is installed, in its own eager form as its bare training loop runs it: fused QKV
+  projection, complex-number RoPE, separate w1/w3 matmuls, and its ``cross_entropy_loss`` (fp32
+  logits, summed, divided by the token count). Its language-model configs accept only flex or
+  varlen attention, which need block masks built from document positions; the benchmark swaps
+  in torchtitan's own ``ScaledDotProductAttention`` module (causal SDPA, the attention of every
+  other side). It is installed without its dependency set: that pins a ``datasets`` which takes
+  ``huggingface_hub`` below what transformers 5 needs. ``triton`` is needed only to import it
+  (its MoE kernels); the dense model never calls it.
 - Hugging Face transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``vs_transformers``).
 
-Prints tokens per CPU-second of each and our speedup over each; asserts nothing. Measured on a
-2-core AVX2 CPU of a shared host (2 threads, the defaults: 9 rounds after 3; our speedup over
-Megatron-Core / over transformers):
+Prints tokens per CPU-second of each and our speedup over each; asserts nothing. Measured on 2
+cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=15`` after 3
+warm-up rounds; our speedup over Megatron-Core / torchtitan / transformers):
 
-    fp32 GPT-2  s=512  1.10 / 1.19   s=1024  1.29 / 1.22
-    bf16 GPT-2  s=512  1.06 / 1.19   s=1024  1.17 / 1.22
-    fp32 Llama  s=512  1.14 / 1.21   s=1024  1.28 / 1.17
-    bf16 Llama  s=512  1.04 / 1.15   s=1024  1.14 / 1.26
+    fp32 GPT-2  s=512  1.11 /  -   / 1.24    s=1024  1.24 /  -   / 1.20
+    bf16 GPT-2  s=512  1.06 /  -   / 1.22    s=1024  1.17 /  -   / 1.27
+    fp32 Llama  s=512  1.14 / 1.13 / 1.12    s=1024  1.28 / 1.22 / 1.20
+    bf16 Llama  s=512  1.12 / 1.20 / 1.23    s=1024  1.19 / 1.34 / 1.32
 
-1.1x or more against both peers in all cells but bf16 at seq 512, where the lead over
-Megatron-Core is 4-6%: there half of a step is the LM head's three matmuls, the same kernels on
-every side. A
-single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs.
-What the lead rests on, besides fused attention: the cross entropy allocates no [tokens x vocab]
-tensor but the gradient of 16-bit logits, and with tied embeddings the two gradients of the table are summed in place
-(the head runs vocabulary-major), so a step faults in fewer fresh pages (docs/hf_interop.md):
-100k against Megatron-Core's 124k in fp32 GPT-2 at seq 512, 63k against 104k in bf16. torchtitan is not in
-the table: its 0.3.0 wheel imports ``spmd_types``, which no index this project installs from
-provides.
+A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs (the
+run before this one read 1.12 for bf16 GPT-2 at seq 512 against Megatron-Core, 1.08 for fp32); the
+cells at seq 512 have the least room, most of all in fp32, where about 60% of every side's step is
+the LM head's three [tokens x 768] x [768 x 50k] matmuls, the same kernels (ours runs the forward
+one vocabulary-major, the faster form on this CPU). What the lead rests on, besides fused
+attention: the cross entropy allocates no [tokens x vocab] tensor (the logits it is handed become
+their exponentials, then their gradient, in place), and with tied embeddings the two gradients of
+the table are summed in place, so a step faults in fewer fresh pages (docs/hf_interop.md): at seq
+512, 100k against Megatron-Core's 124k in fp32 GPT-2, 103k against torchtitan's 176k in fp32 Llama,
+50k against 102-108k in bf16.
 """
 
 from __future__ import annotations
@@ -121,6 +132,53 @@ def megatron_step(model, tokens: torch.Tensor, labels: torch.Tensor):
     return step
 
 
+def _torchtitan_llama3():
+    """torchtitan's Llama 3 package; None if torchtitan is absent or fails to import (another
+    version than 0.3.0, whose private builders this benchmark calls, may)."""
+    try:
+        import torchtitan.models.llama3 as llama3
+    except Exception:
+        return None
+    return llama3
+
+
+def torchtitan_llama(llama3, layers: int, seq: int, dtype: torch.dtype):
+    """torchtitan's Llama3Model at the Llama form's shapes, with causal SDPA (module docstring)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    blocks = llama3._build_llama3_layers(
+        n_layers=layers, dim=HIDDEN, n_heads=HEADS, hidden_dim=LLAMA_FFN, attn_backend="varlen",
+        rope=ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=seq, theta=10000.0))
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg = llama3.Llama3Model.Config(
+        dim=HIDDEN, vocab_size=VOCAB, layers=blocks,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN,
+                                        param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=HIDDEN, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB,
+                              param_init=llama3._output_linear_init(HIDDEN)))
+    model = cfg.build()
+    model.init_states()
+    for param in model.parameters():  # its rotary table stays complex (``Module.to`` would drop the imaginary part)
+        param.data = param.data.to(dtype)
+    return model.train()
+
+
+def torchtitan_step(model, tokens: torch.Tensor, labels: torch.Tensor):
+    from torchtitan.components.loss import cross_entropy_loss
+
+    opt = adamw(model)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        (cross_entropy_loss(model(tokens), labels) / labels.numel()).backward()
+        opt.step()
+
+    return step
+
+
 def main(argv: List[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
     layers, steps, warmup = int(args.get("layers", 2)), int(args.get("steps", 9)), int(args.get("warmup", 3))
@@ -129,12 +187,13 @@ def main(argv: List[str]) -> None:
     seqs = [int(s) for s in args.get("seqs", "512,1024").split(",")]
     dtypes = args.get("dtypes", "float32,bfloat16").split(",")
     mcore = _megatron_core_on_cpu()
+    titan = _torchtitan_llama3()
     torch.manual_seed(0)
-    peers = ["megatron_core"] * (mcore is not None) + ["transformers"]
+    peers = ["megatron_core"] * (mcore is not None) + ["torchtitan"] * (titan is not None) + ["transformers"]
     print(f"threads={torch.get_num_threads()} layers={layers} hidden={HIDDEN} heads={HEADS} vocab={VOCAB} batch=1 "
           f"steps={steps}; tokens per CPU-second of the median step after {warmup} warm-up rounds; "
           "ratio: median over rounds of the peer's step time over ours"
-          + ("" if mcore else "; megatron-core not installed"))
+          + ("" if mcore else "; megatron-core not installed") + ("" if titan else "; torchtitan not installed"))
     print(f"{'model':<7}{'dtype':<10}{'seq':>5}{'ours':>8}" + "".join(f"{p:>15}{'ratio':>7}" for p in peers))
     for flavour in ("gpt2", "llama"):
         for dtype_name in dtypes:
@@ -145,11 +204,14 @@ def main(argv: List[str]) -> None:
                 fns = {"ours": step_fn(ours(flavour, layers, seq, dtype), False, tokens, labels)}
                 if mcore is not None:
                     fns["megatron_core"] = megatron_step(megatron_core(flavour, layers, seq, dtype), tokens, labels)
+                if titan and flavour == "llama":
+                    fns["torchtitan"] = torchtitan_step(torchtitan_llama(titan, layers, seq, dtype), tokens, labels)
                 fns["transformers"] = step_fn(theirs(flavour, layers, dtype), True, tokens, tokens)
                 t = timed(fns, steps, warmup, time.process_time)
                 line = f"{flavour:<7}{dtype_name:<10}{seq:>5}{seq / statistics.median(t['ours']):>8.0f}"
                 for peer in peers:
-                    line += f"{seq / statistics.median(t[peer]):>15.0f}{speedup(t, peer):>7.2f}"
+                    line += (f"{seq / statistics.median(t[peer]):>15.0f}{speedup(t, peer):>7.2f}" if peer in t
+                             else f"{'-':>15}{'-':>7}")
                 print(line, flush=True)
 
 

@@ -314,11 +314,11 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
     """Measured: the bytes alive at the peak of the head's matmul and the loss, then of their
     backward, as the models run them (the logits handed to the loss), less what the loss keeps for
-    backward (its softmax, counted among the activations) and, in backward, the input's gradient
+    backward (counted among the activations) and, in backward, the input's gradient
     (counted with the layers). The weight takes no gradient here: the parameters' are planned apart."""
     from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_hydra.parallel.layers import vocab_parallel_logits
@@ -337,16 +337,16 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
         forward_peak, live.peak = live.peak, live.now
         loss.sum().backward()
     transient = max(forward_peak - kept, live.peak - kept - x.numel() * dtype.itemsize)
-    # What the loss keeps, planned with the head's activations: v b s V (the exponentials for fp32
-    # and fp64, the 16-bit logits from which backward recomputes it).
+    # What the loss keeps, planned with the head's activations: v b s V (the exponentials for fp32,
+    # fp64 and bf16, the fp16 logits from which backward recomputes them).
     assert kept == pytest.approx(dtype.itemsize * b * s * vocab, abs=0.02 * b * s * vocab * 4)
     # The formula: for 16-bit logits one fp32 slice (here the whole vocabulary), their gradient
     # written over them; fp32 and fp64 logits become their exponentials. Per-token vectors stay
     # under 2%.
-    by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 4, torch.float64: 0}[dtype]
+    by_hand = b * s * vocab * {torch.float32: 0, torch.bfloat16: 4, torch.float16: 4, torch.float64: 0}[dtype]
     assert cross_entropy_transient_bytes(b, s, vocab, 1, dtype) == by_hand
     assert transient == pytest.approx(by_hand, abs=0.02 * b * s * vocab * 4)
-    # Not handed over, logits stay as they were and the softmax (the gradient) is a new tensor.
+    # Not handed over, logits stay as they were and the gradient is a new tensor.
     logits = vocab_parallel_logits(x, w, None, False, vocab)
     before = logits.detach().clone()
     vocab_parallel_cross_entropy(logits, target).sum().backward()

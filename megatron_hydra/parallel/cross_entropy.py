@@ -17,9 +17,10 @@ written), else into a new tensor. So the loss keeps 2 bytes an entry instead of 
 and never allocates an fp32 copy of the whole logits (on a CPU each such fresh allocation also
 faults its pages in anew). The slices' sums add in another order than one sum over the shard: the
 loss moves by an fp32 rounding. A stored bf16 exponential is rounded once more than a recomputed
-one, so each gradient entry is within two bf16 roundings (2^-7 relative) instead of one (2^-8).
-That holds for the target's entry p - 1 too, which cannot cancel: the largest logit's exponential
-is exactly 1, so either the target is that one (exact) or p <= 1/2.
+one, so each gradient entry is within two bf16 roundings (2^-7 relative) instead of one (2^-8),
+plus, in either form, fp32's absolute 2^-23 grad in p - 1 where a target's p is near 1. The stored
+rounding never cancels in p - 1: the largest logit's exponential is exactly 1, so either the target
+is that one (its exponential exact) or p <= 1/2.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.sixteen_bit = logits.dtype in (torch.float16, torch.bfloat16)
         ctx.inplace = inplace
         # Handed-over bf16 logits keep their exponentials (bf16 has fp32's exponent range, so none
-        # underflows that fp32 keeps; fp16's would): backward then need not recompute them.
+        # underflows that the bf16 gradient would keep; fp16's would): backward need not recompute them.
         ctx.stored = inplace and logits.dtype == torch.bfloat16
         dtype = torch.float32 if ctx.sixteen_bit else logits.dtype  # of the loss's arithmetic
         logits_max = logits.amax(dim=-1).to(dtype)  # exact in any dtype
@@ -85,6 +86,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         # (softmax - one_hot) * grad_loss, as exp * (grad_loss / sum_exp) - one_hot * grad_loss.
         saved, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
@@ -128,9 +130,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     """Per-token loss (no reduction), equal to ``F.cross_entropy(full_logits, target, reduction='none')``.
 
     ``inplace``: the caller hands its logits over and never reads them again, saving a
-    [tokens, vocab / tp] tensor: fp32 (and fp64) logits become their exponentials in forward (as
-    Megatron's loss always makes them its softmax), 16-bit logits become their own gradient in
-    backward. The models' heads
-    pass their logits this way. Logits autograd saved for another backward cannot be handed over
-    (autograd refuses that backward)."""
+    [tokens, vocab / tp] tensor: fp32, fp64 and bf16 logits become their exponentials in forward
+    (as Megatron's loss always makes them its softmax), and all become their own gradient in
+    backward. The models' heads pass their logits this way. Logits autograd saved for another
+    backward cannot be handed over (autograd refuses that backward), and the loss's backward runs
+    once, without a graph of its own (``create_graph`` is refused)."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, inplace)

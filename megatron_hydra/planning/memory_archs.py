@@ -4,7 +4,8 @@ the embedding and the head keep outside the layers. The byte rules and the per-l
 the shared plan's; this module only says how each family is put together from them.
 
 GPT (and Llama, MoE): one stack of ``activation_bytes_per_layer`` layers per chunk; the embedding
-keeps the token ids and its dropout mask, the head its norm and logits inputs and the softmax.
+keeps the token ids and its dropout mask, the head its norm and logits inputs and what the loss
+keeps of the logits.
 
 BERT (``models.bert``): the same layers (post-LN keeps the same two norm inputs per layer, at the
 same sizes), bidirectional over a [b, 1, 1, s] padding mask (a few bytes per layer). Outside the
