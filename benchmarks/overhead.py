@@ -104,7 +104,9 @@ def main(argv):
     # The peak is the best of its runs, the rate where the cores were free; the like figure of the
     # model is its upper quartile of steps. The median step moves with the host's load: on a shared
     # 2-core host its MFU read 0.48 to 0.62 over five runs; over three more runs the upper quartile
-    # read 0.557 to 0.589 where the median read 0.518 to 0.565.
+    # read 0.557 to 0.589 where the median read 0.518 to 0.565. On a busier day six runs read 0.513
+    # to 0.639 (upper quartile) while the peak held at 204.9 to 206.9 GFLOP/s: the noise left is the
+    # model's own rate under the host's load.
     rates = [float(r["tokens_per_s"]) for r in rows]
     fast_flops = flops * (statistics.quantiles(rates, n=4)[2] if len(rates) > 1 else rates[0]) / tokens
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; model {model_flops / 1e9:.1f} GFLOP/s (median step), "
