@@ -2,22 +2,25 @@
 # The GPU acceptance check: everything this project can only prove on a CUDA GPU, in under 8
 # minutes on one GPU, ending in one summary table. Run from the repository root of an installed
 # checkout (the Docker image has everything): bash scripts/gpu_check.sh
+# The full pytest log, its JUnit report and the throughput table stay in $GPU_CHECK_OUT (default: a new
+# temporary folder).
 #   1. pytest -m gpu: a bf16 step on CUDA against the CPU step; Transformer Engine against the local
 #      layers (logits and grads); fp8 training; fused AdamW and apex FusedAdam against torch's
 #      AdamW; mode=plan against torch.cuda.max_memory_allocated.
 #   2. gpt_1.3b bf16 training throughput (tokens/s, MFU) with local layers and with Transformer Engine.
 set -u
 cd "$(dirname "$0")/.."
-out=$(mktemp -d)
-python -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
-timeout 270 python -m pytest -m gpu tests/ -p no:cacheprovider -q -rA --timeout 120 -o junit_family=xunit1 \
+out=${GPU_CHECK_OUT:-$(mktemp -d)}
+mkdir -p "$out"
+python3 -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+timeout 240 python3 -m pytest -m gpu tests/ -p no:cacheprovider -q -rA --timeout 120 --continue-on-collection-errors -o junit_family=xunit1 \
     --junitxml="$out/gpu.xml" > "$out/pytest.txt" 2>&1
 status=$?
 tail -n 30 "$out/pytest.txt"
-timeout 180 python benchmarks/gpu_throughput.py --steps 30 > "$out/throughput.txt" 2>&1
+timeout 150 python3 benchmarks/gpu_throughput.py --steps 30 > "$out/throughput.txt" 2>&1
 echo
 echo "== summary =="
-python - "$out/gpu.xml" <<'PY'
+python3 - "$out/gpu.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
 try:
     cases = ET.parse(sys.argv[1]).getroot().iter("testcase")

@@ -18,6 +18,12 @@ from megatron_hydra.training import fake_gpu
 from megatron_hydra.training.fake_gpu import DryRunError
 from conftest import compose_config
 
+# Tests whose planted bug lives in this process: where a real accelerator is usable the dry run runs
+# in a process of its own (fake_gpu.register), which never sees it.
+in_this_process = pytest.mark.skipif(not fake_gpu.registered(),
+                                     reason="a real accelerator is usable: the dry run runs in its own process")
+
+
 def _cfg(*overrides):
     cfg = compose_config(["data=synthetic", "trainer=gpu", *overrides])
     return cfg, derive(cfg)
@@ -112,6 +118,7 @@ def test_moe_activations_per_layer_match_the_plan(layout):
     assert measured == pytest.approx(planned, rel=0.02)
 
 
+@in_this_process
 def test_planted_device_bug_is_named(monkeypatch):
     def loss_with_host_tensor(per_token_loss, loss_mask):
         weights = torch.ones(per_token_loss.shape)  # on the host, whatever the model's device
@@ -123,6 +130,7 @@ def test_planted_device_bug_is_named(monkeypatch):
         D.dry_run(cfg, derived, [0])
 
 
+@in_this_process
 def test_planted_dtype_bug_is_named(monkeypatch):
     from megatron_hydra.parallel import layers
 
@@ -133,6 +141,7 @@ def test_planted_dtype_bug_is_named(monkeypatch):
         D.dry_run(cfg, derived, [0])
 
 
+@in_this_process
 def test_host_reads_of_device_values_are_counted():
     device = fake_gpu.register()
     with fake_gpu.fake_gpu() as check:
@@ -141,6 +150,45 @@ def test_host_reads_of_device_values_are_counted():
         step = torch.tensor(3.0)  # a host value fake tensors still know
         assert (step + 1).item() == 4.0
     assert len(check.host_syncs) == 1 and "tests/test_dry_run.py" in check.host_syncs[0]  # the device read only
+
+
+def test_dry_run_in_its_own_process_equals_in_process(monkeypatch):
+    """Where this process could use a real accelerator, the ranks are simulated in a fresh process
+    (forced here): the same bytes and host reads as in this one."""
+    cfg, derived = _cfg("parallel=tp2", "trainer.devices=2", "precision=bf16")
+    here = D.dry_run(cfg, derived, [1])
+    monkeypatch.setattr(fake_gpu, "registered", lambda: False)
+    started, spawn = [], D._in_own_process
+    monkeypatch.setattr(D, "_in_own_process", lambda *args: started.append(args[2]) or spawn(*args))
+    apart = D.dry_run(cfg, derived, [1])
+    assert started == [[1]]
+    assert [(r.state_bytes, r.peak_bytes, r.save_peak_bytes, r.host_syncs) for r in apart] == \
+        [(r.state_bytes, r.peak_bytes, r.save_peak_bytes, r.host_syncs) for r in here]
+
+
+def test_a_process_with_a_real_accelerator_keeps_it():
+    """Registered, the stand-in becomes torch's current accelerator ahead of CUDA (NCCL's device
+    binding and CUDA's autograd streams then fail: seen on an H200). So where an accelerator is
+    usable, importing the dry run registers nothing and only a process of its own may register."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+torch.accelerator.is_available = lambda: True
+torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
+from megatron_hydra.training import fake_gpu
+assert fake_gpu.REAL_ACCELERATOR == "cuda" and not fake_gpu.registered()
+try:
+    fake_gpu.register()
+    raise SystemExit("registered beside a real accelerator")
+except fake_gpu.DryRunError as e:
+    print(e)
+assert fake_gpu.register(own_process=True).type == "fakegpu" and fake_gpu.registered()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "can use a real accelerator (cuda)" in done.stdout
 
 
 def test_batch_fields_are_what_the_datasets_yield():

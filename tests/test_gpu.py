@@ -1,6 +1,6 @@
 """Checks only a CUDA GPU can run (``pytest -m gpu``; ``scripts/gpu_check.sh`` runs them with the
-rest of the GPU acceptance). Without CUDA every test here is skipped, with the reason printed
-under ``-rs``.
+rest of the GPU acceptance). Without CUDA each is skipped, with the reason printed under ``-rs``;
+their configs are checked everywhere.
 
 References: the same step on the CPU (bf16 within bf16's tolerance), and ``mode=plan``'s bytes
 against what torch's CUDA allocator reports for the same run.
@@ -14,12 +14,30 @@ import torch
 from conftest import SMALL, compose_config, run_training
 from megatron_hydra.config import derive
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run scripts/gpu_check.sh on a GPU")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run scripts/gpu_check.sh on a GPU")
 
 STEPS = ["trainer.max_steps=4", "trainer.val_check_interval=0", "checkpoint.save_last=false"]
+PLAN_RUN = ["trainer=gpu", "trainer.devices=1", "data=synthetic", "model=gpt_125m", "precision=bf16",
+            "data.micro_batch_size=4", "data.global_batch_size=8", "model.seq_length=1024", "trainer.max_steps=2",
+            "optim.warmup_steps=1", "checkpoint.save_last=false", "trainer.enable_progress_bar=false"]
+PROFILED_RUN = [*SMALL, "trainer=gpu", "trainer.devices=1", "trainer.log_every_n_steps=1", "trainer.max_steps=3",
+                "trainer.profile_steps=[1,2]", "checkpoint.save_last=false"]
 
 
+def test_the_gpu_runs_configs_are_valid():
+    """On any machine: the runs below pass the config checks, so a GPU's minutes are not spent on
+    a config error (one did: a warm-up longer than the run)."""
+    from test_gpu_te import FP8_RUN, MODEL, TP2_RUN
+
+    runs = [[*SMALL, *STEPS, "precision=bf16", "trainer.devices=1", "trainer=gpu"], PLAN_RUN, PROFILED_RUN, MODEL,
+            [*FP8_RUN, "precision=fp8"], [*FP8_RUN, "precision=fp8", "precision.fp8.recipe=current"],
+            [*FP8_RUN, "precision=bf16"], TP2_RUN, [*TP2_RUN, "model.transformer_impl=transformer_engine"]]
+    for overrides in runs:
+        derive(compose_config(overrides))
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_bf16_step_on_cuda_equals_the_cpu_step(tmp_path):
     """Same config, same seed: the GPU's bf16 losses follow the CPU's to bf16's precision (the
     kernels differ in accumulation order, not in what they compute)."""
@@ -31,33 +49,33 @@ def test_bf16_step_on_cuda_equals_the_cpu_step(tmp_path):
     assert gpu_losses == pytest.approx(cpu_losses, rel=2e-2)
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_plan_predicts_the_allocator_peak(tmp_path):
     """``mode=plan``'s weights + grads + main weights + optimizer + activations for a single GPU
     run, against ``torch.cuda.max_memory_allocated`` over two steps (the CUDA context, NCCL and
     the allocator's caching are outside both)."""
     from megatron_hydra.planning.memory import rank_memory
 
-    overrides = ["trainer=gpu", "trainer.devices=1", "data=synthetic", "model=gpt_125m", "precision=bf16",
-                 "data.micro_batch_size=4", "data.global_batch_size=8", "model.seq_length=1024",
-                 "trainer.max_steps=2", "checkpoint.save_last=false", "trainer.enable_progress_bar=false"]
     torch.cuda.reset_peak_memory_stats()
-    run_training(overrides, tmp_path)
+    run_training(PLAN_RUN, tmp_path)
     measured = torch.cuda.max_memory_allocated()
-    cfg = compose_config(overrides)
+    cfg = compose_config(PLAN_RUN)
     planned = rank_memory(cfg, derive(cfg), 0)
     planned_bytes = planned.static_bytes + planned.activation_bytes
     print(f"allocator peak {measured / 2**30:.2f} GiB, plan {planned_bytes / 2**30:.2f} GiB")
     assert measured == pytest.approx(planned_bytes, rel=0.10)
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_peak_memory_and_profiler_on_cuda(tmp_path):
     """``peak_memory_gib`` is the allocator's peak (at least 16 bytes per parameter: weights,
     grads, main weights and AdamW moments; at most the device), and the profiled steps' trace
     holds CUDA kernels."""
     import json
 
-    rows = run_training([*SMALL, "trainer=gpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
-                         "trainer.max_steps=3", "trainer.profile_steps=[1,2]", "checkpoint.save_last=false"], tmp_path)
+    rows = run_training(PROFILED_RUN, tmp_path)
     h, layers = 64, 2  # SMALL's GPT, counted as in test_observability.py
     params = 512 * h + 32 * h + layers * (12 * h * h + 13 * h) + 2 * h
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30

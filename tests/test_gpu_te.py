@@ -100,11 +100,17 @@ def test_te_logits_and_grads_match_local_bf16(variant):
         assert cos > 0.99, f"{name}: cosine {cos:.4f}"
 
 
+# The runs below (test_gpu.py checks their configs on any machine).
+FP8_RUN = [*SHAPE, *LLAMA, "data=demo", "trainer=gpu", "trainer.devices=1", "trainer.max_steps=30",
+           "optim.warmup_steps=5", "model.transformer_impl=transformer_engine", "trainer.generate_sample_tokens=0",
+           "trainer.enable_progress_bar=false"]
+TP2_RUN = [*MODEL, *LLAMA, "trainer=gpu", "trainer.devices=2", "parallel=tp2", "parallel.sequence_parallel=true",
+           "precision=bf16", "trainer.max_steps=10", "optim.warmup_steps=2", "trainer.enable_progress_bar=false"]
+
+
 def test_fp8_trains_and_its_loss_falls(tmp_path):
     need("transformer_engine", fp8=True)
-    common = [*SHAPE, *LLAMA, "data=demo", "trainer=gpu", "trainer.devices=1", "trainer.max_steps=30",
-              "optim.warmup_steps=5", "model.transformer_impl=transformer_engine", "trainer.generate_sample_tokens=0",
-              "trainer.enable_progress_bar=false"]
+    common = FP8_RUN
     for recipe in ("delayed", "current"):
         rows = run_training([*common, "precision=fp8", f"precision.fp8.recipe={recipe}"], tmp_path / recipe)
         losses = [r["loss"] for r in rows]
@@ -116,8 +122,7 @@ def test_fp8_trains_and_its_loss_falls(tmp_path):
 
 def test_te_tp2_follows_local_tp2(tmp_path):
     need("transformer_engine", gpus=2)
-    common = [*MODEL, *LLAMA, "trainer=gpu", "trainer.devices=2", "parallel=tp2", "parallel.sequence_parallel=true",
-              "precision=bf16", "trainer.max_steps=10", "optim.warmup_steps=2", "trainer.enable_progress_bar=false"]
+    common = TP2_RUN
     local = run_training(common, tmp_path / "local")
     te_rows = run_training([*common, "model.transformer_impl=transformer_engine"], tmp_path / "te")
     for a, b in zip(local, te_rows):

@@ -21,7 +21,8 @@ Ranks. ``dry_run.ranks`` lists global ranks; by default every distinct position:
 one middle and the last pipeline rank, each with the first and the last tensor-parallel rank (the
 last holds the vocabulary padding), data-parallel rank 0; with the distributed optimizer also the
 last data-parallel rank (whose shard ends the padded buffers). Ranks are simulated one after the
-other in this process.
+other in this process, or, where this process can use a real accelerator (a GPU host), in a fresh
+process of their own: the fake GPU would displace the real one (``fake_gpu.register``).
 
 Limits: point-to-point transfers of the fake group move nothing, so a stage's received activation
 is a fresh fake tensor of the announced shape (torch's pipeline stages are given their shapes; a
@@ -256,6 +257,24 @@ def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = N
     bad = [r for r in ranks if not 0 <= r < derived.world_size]
     if bad:
         raise ConfigError(f"dry_run.ranks={bad} are outside the job's {derived.world_size} ranks: use 0..{derived.world_size - 1}")
+    if fake_gpu.registered():
+        return [simulate_rank(cfg, derived, r) for r in ranks]
+    return _in_own_process(cfg, derived, ranks)
+
+
+def _in_own_process(cfg: RunConfig, derived: Derived, ranks: List[int]) -> List[RankResult]:
+    """The ranks simulated in a fresh process that registers the fake GPU before anything else,
+    for a process that can use a real accelerator (``fake_gpu.register``) and stays able to. Its
+    results, and any error it raises, come back here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_simulate_in_own_process, cfg, derived, ranks).result()
+
+
+def _simulate_in_own_process(cfg: RunConfig, derived: Derived, ranks: List[int]) -> List[RankResult]:
+    fake_gpu.register(own_process=True)
     return [simulate_rank(cfg, derived, r) for r in ranks]
 
 

@@ -131,14 +131,29 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
-def register() -> torch.device:
+def registered() -> bool:
+    """Whether the stand-in is a device type of this process (the dry run can run here)."""
+    return torch._C._get_privateuse1_backend_name() == FAKE_DEVICE
+
+
+def register(own_process: bool = False) -> torch.device:
     """Make ``FAKE_DEVICE`` a device type of this process (once; torch allows one rename) and
-    return the device the dry run runs on."""
+    return the device the dry run runs on.
+
+    A registered ``PrivateUse1`` backend becomes torch's current accelerator, ahead of a real one,
+    so in a process that can use CUDA (or any real accelerator) it breaks CUDA: NCCL's
+    ``init_process_group(device_id=cuda:N)`` and the autograd engine's stream bookkeeping then look
+    at the stand-in (both seen on an H200). There it is registered only by a process that exists
+    for the dry run alone (``own_process=True``); the dry run starts such a process
+    (``training.dry_run``)."""
     from torch.utils import backend_registration
 
     name = torch._C._get_privateuse1_backend_name()
     if name == FAKE_DEVICE:
         return torch.device(FAKE_DEVICE, 0)
+    if REAL_ACCELERATOR and not own_process:
+        raise DryRunError(f"this process can use a real accelerator ({REAL_ACCELERATOR}), which the fake GPU would "
+                          "displace: run the dry run through training.dry_run.dry_run, which starts its own process")
     if name != "privateuseone":
         raise DryRunError(f"the dry run needs torch's PrivateUse1 backend, but this process already registered it as "
                           f"{name!r}: run the dry run in its own process")
@@ -297,6 +312,12 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
             _active = False
 
 
+# The real accelerator this process could use, looked up before the stand-in is registered (which
+# would make it the answer): None on a host without one.
+REAL_ACCELERATOR = (str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None)
+
 # Registered on import, not on first use: torch's autograd engine sizes its per-device queues at
-# the first backward of the process, and a device type that appears later has none.
-register()
+# the first backward of the process, and a device type that appears later has none. Not where a
+# real accelerator is usable (``register``): there the dry run runs in a process of its own.
+if REAL_ACCELERATOR is None:
+    register()
