@@ -6,7 +6,8 @@
 # temporary folder).
 #   1. pytest -m gpu: a bf16 step on CUDA against the CPU step; Transformer Engine against the local
 #      layers (logits and grads); fp8 training; fused AdamW and apex FusedAdam against torch's
-#      AdamW; mode=plan against torch.cuda.max_memory_allocated.
+#      AdamW; mode=plan against torch.cuda.max_memory_allocated; resume and recompute with dropout
+#      (CUDA random states); MoE grouped GEMM against the per-expert loop.
 #   2. gpt_1.3b bf16 training throughput (tokens/s, MFU) with local layers and with Transformer Engine.
 set -u
 cd "$(dirname "$0")/.."
