@@ -432,7 +432,7 @@ def run(cfg: RunConfig) -> Optional[float]:
 
         print(plan_memory(cfg, derived).table())
         return None
-    if cfg.mode == "dry_run":  # one step of chosen ranks in this process, on a fake group and fake GPU
+    if cfg.mode == "dry_run":  # one step of chosen ranks on a fake group and fake GPU (training.dry_run)
         from megatron_hydra.training.dry_run import run_dry_run
 
         run_dry_run(cfg, derived)

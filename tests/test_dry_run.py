@@ -166,10 +166,10 @@ def test_dry_run_in_its_own_process_equals_in_process(monkeypatch):
         [(r.state_bytes, r.peak_bytes, r.save_peak_bytes, r.host_syncs) for r in here]
 
 
-def test_a_process_with_a_real_accelerator_keeps_it():
+def test_where_an_accelerator_is_usable_only_an_own_process_registers():
     """Registered, the stand-in becomes torch's current accelerator ahead of CUDA (NCCL's device
     binding and CUDA's autograd streams then fail: seen on an H200). So where an accelerator is
-    usable, importing the dry run registers nothing and only a process of its own may register."""
+    usable (faked here), importing the dry run registers nothing and only a process of its own may."""
     import subprocess
     import sys
 
@@ -189,6 +189,23 @@ assert fake_gpu.register(own_process=True).type == "fakegpu" and fake_gpu.regist
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "can use a real accelerator (cuda)" in done.stdout
+
+
+def test_errors_of_the_own_process_come_back_as_one_line():
+    import os
+
+    cfg, _ = _cfg("trainer.devices=1", "model.transformer_impl=transformer_engine")
+    with pytest.raises(ConfigError, match=r"runs model.transformer_impl=local only \(got 'transformer_engine'"):
+        D.run_in_own_process(D.check_runnable, cfg)  # raised there, the same error here
+    with pytest.raises(DryRunError, match="ended without a result"):
+        D.run_in_own_process(os.abort)  # no error to hand back: the process is gone
+
+
+def test_attention_dropout_under_recompute_is_refused_before_it_starts():
+    for granularity in ("full", "selective"):
+        cfg, derived = _cfg("trainer.devices=1", "model.attention_dropout=0.1", f"recompute.granularity={granularity}")
+        with pytest.raises(ConfigError, match=f"cannot replay attention dropout under recompute.granularity={granularity}"):
+            D.dry_run(cfg, derived, [0])
 
 
 def test_batch_fields_are_what_the_datasets_yield():

@@ -45,6 +45,7 @@ from megatron_hydra.data.sequence_shards import shard_batch
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.state import ParallelState, coordinates
 from megatron_hydra.training import fake_gpu
+from megatron_hydra.training.fake_gpu import DryRunError
 
 GIB = 2**30
 
@@ -248,6 +249,11 @@ def check_runnable(cfg: RunConfig) -> None:
                           "set model.transformer_impl=local, or check it with scripts/gpu_check.sh on a GPU")
     if dist.is_initialized():
         raise ConfigError("mode=dry_run starts its own fake process group: run it from launch.py, not inside a worker")
+    if cfg.model.attention_dropout and cfg.recompute.granularity:
+        # torch aborts the process when the replay draws attention dropout on the stand-in device
+        raise ConfigError(f"mode=dry_run cannot replay attention dropout under recompute.granularity="
+                          f"{cfg.recompute.granularity} on the fake GPU: set model.attention_dropout=0 for the dry run "
+                          "(it changes no shape or byte), or check that combination on a GPU")
 
 
 def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = None) -> List[RankResult]:
@@ -264,13 +270,22 @@ def dry_run(cfg: RunConfig, derived: Derived, ranks: Optional[Sequence[int]] = N
 
 def _in_own_process(cfg: RunConfig, derived: Derived, ranks: List[int]) -> List[RankResult]:
     """The ranks simulated in a fresh process that registers the fake GPU before anything else,
-    for a process that can use a real accelerator (``fake_gpu.register``) and stays able to. Its
-    results, and any error it raises, come back here."""
+    for a process that can use a real accelerator (``fake_gpu.register``) and stays able to."""
+    return run_in_own_process(_simulate_in_own_process, cfg, derived, ranks)
+
+
+def run_in_own_process(fn, *args):
+    """``fn(*args)`` in a fresh (spawned) process: its result, or the error it raised, comes back
+    here; a process that dies without one is a ``DryRunError``."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_simulate_in_own_process, cfg, derived, ranks).result()
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            raise DryRunError("the dry run's own process ended without a result: its output above says why") from None
 
 
 def _simulate_in_own_process(cfg: RunConfig, derived: Derived, ranks: List[int]) -> List[RankResult]:

@@ -58,8 +58,9 @@ class DryRunError(MegatronHydraError):
     """The step would fail on the GPU: the message names the op and where this package called it."""
 
 
-# Whether a dry run is in progress. Outside one the stand-in reports itself unavailable, so the
-# rest of the process (a test session, say) never picks it as its accelerator.
+# Whether a dry run is in progress. Outside one the stand-in reports itself unavailable to the
+# run-time checks that ask (``is_available``). That does not keep it from being torch's current
+# accelerator once registered, ahead of CUDA: see ``register``.
 _active = False
 
 
@@ -296,7 +297,7 @@ def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> 
 
 @contextmanager
 def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndDtypeCheck]:
-    """Within the block every tensor is fake and every op is checked; ``register()`` first."""
+    """Within the block every tensor is fake and every op is checked; only where ``registered()``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     global _active
@@ -312,9 +313,17 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
             _active = False
 
 
-# The real accelerator this process could use, looked up before the stand-in is registered (which
-# would make it the answer): None on a host without one.
-REAL_ACCELERATOR = (str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None)
+def _real_accelerator() -> Optional[str]:
+    """The real accelerator this process could use, or None. On a CUDA build, NVML's device count
+    (``torch.cuda.device_count``), which does not initialise CUDA here: a process that imports the
+    dry run may still fork workers that use the GPU."""
+    if torch.backends.cuda.is_built():
+        return "cuda" if torch.cuda.device_count() > 0 else None
+    return str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None
+
+
+# Looked up before the stand-in is registered, which would make it the answer.
+REAL_ACCELERATOR = _real_accelerator()
 
 # Registered on import, not on first use: torch's autograd engine sizes its per-device queues at
 # the first backward of the process, and a device type that appears later has none. Not where a
