@@ -34,13 +34,14 @@ Prints tokens per CPU-second of each and our speedup over each; asserts nothing.
 cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=15`` after 3
 warm-up rounds; our speedup over Megatron-Core / torchtitan / transformers):
 
-    fp32 GPT-2  s=512  1.11 /  -   / 1.24    s=1024  1.24 /  -   / 1.20
-    bf16 GPT-2  s=512  1.06 /  -   / 1.22    s=1024  1.17 /  -   / 1.27
-    fp32 Llama  s=512  1.14 / 1.13 / 1.12    s=1024  1.28 / 1.22 / 1.20
-    bf16 Llama  s=512  1.12 / 1.20 / 1.23    s=1024  1.19 / 1.34 / 1.32
+    fp32 GPT-2  s=512  1.11 /  -   / 1.22    s=1024  1.23 /  -   / 1.24
+    bf16 GPT-2  s=512  1.14 /  -   / 1.27    s=1024  1.23 /  -   / 1.33
+    fp32 Llama  s=512  1.18 / 1.15 / 1.09    s=1024  1.26 / 1.22 / 1.20
+    bf16 Llama  s=512  1.15 / 1.25 / 1.25    s=1024  1.18 / 1.24 / 1.25
 
 A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs (the
-run before this one read 1.12 for bf16 GPT-2 at seq 512 against Megatron-Core, 1.08 for fp32); the
+run before this one read 1.06 for bf16 GPT-2 at seq 512 against Megatron-Core and 1.12 for fp32
+Llama at seq 512 against transformers; a run of the bf16 seq-512 cells alone read 1.19 for the first); the
 cells at seq 512 have the least room, most of all in fp32, where about 60% of every side's step is
 the LM head's three [tokens x 768] x [768 x 50k] matmuls, the same kernels (ours runs the forward
 one vocabulary-major, the faster form on this CPU). What the lead rests on, besides fused
