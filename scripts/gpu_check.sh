@@ -4,10 +4,11 @@
 # checkout (the Docker image has everything): bash scripts/gpu_check.sh
 # The full pytest log, its JUnit report and the throughput table stay in $GPU_CHECK_OUT (default: a new
 # temporary folder).
-#   1. pytest -m gpu: a bf16 step on CUDA against the CPU step; Transformer Engine against the local
-#      layers (logits and grads); fp8 training; fused AdamW and apex FusedAdam against torch's
-#      AdamW; mode=plan against torch.cuda.max_memory_allocated; resume and recompute with dropout
-#      (CUDA random states); MoE grouped GEMM against the per-expert loop.
+#   1. pytest -m gpu: bf16 and fp16 steps on CUDA against the CPU's (GPT and Llama forms);
+#      generation; Transformer Engine against the local layers (logits and grads); fp8 training;
+#      fused AdamW and apex FusedAdam against torch's AdamW; mode=plan against
+#      torch.cuda.max_memory_allocated; resume and recompute with dropout (CUDA random states);
+#      MoE grouped GEMM against the per-expert loop.
 #   2. gpt_1.3b bf16 training throughput (tokens/s, MFU) with local layers and with Transformer Engine.
 set -u
 cd "$(dirname "$0")/.."

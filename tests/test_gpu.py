@@ -31,8 +31,9 @@ def test_the_gpu_runs_configs_are_valid():
     a config error (one did: a warm-up longer than the run)."""
     from test_gpu_te import FP8_RUN, MODEL, TP2_RUN
 
-    compared = [[*SMALL, *STEPS, "precision=bf16", "trainer.devices=1", "trainer=gpu"], PROFILED_RUN, SAVING_RUN,
-                [*DROPOUT_RUN, "recompute.granularity=full"]]  # their logged rows are read step by step
+    compared = [[*SMALL, *form, *STEPS, f"precision={p}", "trainer.devices=1", "trainer=gpu"]
+                for form in FORMS.values() for p in ("bf16", "fp16")]
+    compared += [PROFILED_RUN, SAVING_RUN, [*DROPOUT_RUN, "recompute.granularity=full"]]  # rows read step by step
     runs = [PLAN_RUN, MODEL, [*FP8_RUN, "precision=fp8"], [*FP8_RUN, "precision=fp8", "precision.fp8.recipe=current"],
             [*FP8_RUN, "precision=bf16"], TP2_RUN, [*TP2_RUN, "model.transformer_impl=transformer_engine"]]
     for overrides in compared + runs:
@@ -41,12 +42,21 @@ def test_the_gpu_runs_configs_are_valid():
         assert compose_config(overrides).trainer.log_every_n_steps == 1, overrides
 
 
+# The Llama form (RoPE, RMSNorm, SwiGLU, grouped-query attention) takes other GPU kernels than GPT's.
+LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
+         "model.num_query_groups=2", "model.add_bias_linear=false", "model.tie_embeddings=false"]
+FORMS = {"gpt": [], "llama": LLAMA}
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_bf16_step_on_cuda_equals_the_cpu_step(tmp_path):
-    """Same config, same seed: the GPU's bf16 losses follow the CPU's to bf16's precision (the
-    kernels differ in accumulation order, not in what they compute)."""
-    common = [*SMALL, *STEPS, "precision=bf16", "trainer.devices=1"]
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_step_on_cuda_follows_the_cpu_step(tmp_path, precision, form):
+    """Same config, same seed: the GPU's 16-bit losses follow the CPU's to 16-bit precision (the
+    kernels differ in accumulation order, not in what they compute); fp16 also unscales and checks
+    its gradients with the CUDA kernel."""
+    common = [*SMALL, *FORMS[form], *STEPS, f"precision={precision}", "trainer.devices=1"]
     gpu = run_training(["trainer=gpu", *common], tmp_path / "gpu")
     cpu = run_training(["trainer=cpu", *common], tmp_path / "cpu")
     gpu_losses, cpu_losses = [m["loss"] for m in gpu], [m["loss"] for m in cpu]
@@ -131,3 +141,23 @@ def test_recompute_on_cuda_keeps_the_run(tmp_path):
     replayed = run_training([*DROPOUT_RUN, "checkpoint.save_last=false", "recompute.granularity=full"],
                             tmp_path / "full")
     _same_steps(replayed, plain)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [("learned", "gelu", 4), ("rope", "swiglu", 2)], ids=["gpt2_style", "llama_gqa"])
+def test_generation_on_cuda_gives_the_cpu_tokens(variant):
+    """Greedy decoding with the KV cache on the GPU gives the CPU's tokens (float64, large logits:
+    the kernels' rounding cannot change an argmax); sampling draws from a generator on the GPU."""
+    from test_generate import _greedy, _model
+
+    from megatron_hydra.generate import SamplingConfig, generate
+
+    _, model = _model(*variant)
+    prompt = [5, 17, 99, 3, 42]
+    on_cpu = generate(model, prompt, 24, _greedy())
+    model.cuda()
+    assert generate(model, prompt, 24, _greedy(), use_cache=True) == on_cpu
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sampled = generate(model, prompt, 16, SamplingConfig(temperature=0.8, top_k=50, top_p=0.95), generator=generator)
+    assert len(sampled) == 16 and all(0 <= t < model.cfg.vocab_size for t in sampled)
