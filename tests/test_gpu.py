@@ -1,6 +1,6 @@
 """Checks only a CUDA GPU can run (``pytest -m gpu``; ``scripts/gpu_check.sh`` runs them with the
 rest of the GPU acceptance). Without CUDA each is skipped, with the reason printed under ``-rs``;
-their configs are checked everywhere.
+their configs are checked everywhere, and those that train or generate also run as CPU rehearsals.
 
 References: the same step on the CPU (bf16 within bf16's tolerance), and ``mode=plan``'s bytes
 against what torch's CUDA allocator reports for the same run.
@@ -15,6 +15,14 @@ from conftest import SMALL, assert_same_trajectory, compose_config, run_training
 from megatron_hydra.config import derive
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run scripts/gpu_check.sh on a GPU")
+# Where a test runs: on the GPU, or as a rehearsal on the CPU with trainer=gpu's settings
+# (trainer.accelerator=cpu), which runs the test's own mechanics (configs, logged rows, files) in
+# every suite, so that a GPU's scarce minutes are not spent on a mistake of the test.
+WHERE = [pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]), "cpu_rehearsal"]
+
+
+def on(where: str, overrides: list) -> list:
+    return [*overrides, "trainer.accelerator=cpu"] if where == "cpu_rehearsal" else overrides
 
 # Every step logged (trainer=gpu logs every 10th): the tests compare the rows step by step.
 STEPS = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.val_check_interval=0",
@@ -48,16 +56,15 @@ LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.
 FORMS = {"gpt": [], "llama": LLAMA}
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_step_on_cuda_follows_the_cpu_step(tmp_path, precision, form):
+def test_step_on_cuda_follows_the_cpu_step(tmp_path, precision, form, where):
     """Same config, same seed: the GPU's 16-bit losses follow the CPU's to 16-bit precision (the
     kernels differ in accumulation order, not in what they compute); fp16 also unscales and checks
     its gradients with the CUDA kernel."""
     common = [*SMALL, *FORMS[form], *STEPS, f"precision={precision}", "trainer.devices=1"]
-    gpu = run_training(["trainer=gpu", *common], tmp_path / "gpu")
+    gpu = run_training(on(where, ["trainer=gpu", *common]), tmp_path / "gpu")
     cpu = run_training(["trainer=cpu", *common], tmp_path / "cpu")
     gpu_losses, cpu_losses = [m["loss"] for m in gpu], [m["loss"] for m in cpu]
     assert len(gpu_losses) == len(cpu_losses) == 4
@@ -116,48 +123,46 @@ def _same_steps(rows, ref):
     assert_same_trajectory(rows, ref, rel=1e-4)
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_resume_on_cuda_continues_the_run(tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_resume_on_cuda_continues_the_run(tmp_path, where):
     """Saved asynchronously from the GPU (pinned host copies) at step 2, resumed from there: the
     resumed steps are the uninterrupted run's, dropout masks included."""
     import shutil
 
-    full = run_training(SAVING_RUN, tmp_path / "full")
+    full = run_training(on(where, SAVING_RUN), tmp_path / "full")
     assert len(full) == 4
     name = "checkpoints/step_0000002"
     shutil.copytree(tmp_path / "full" / name, tmp_path / "resumed" / name)
-    resumed = run_training([*SAVING_RUN, "checkpoint.resume=auto"], tmp_path / "resumed")
+    resumed = run_training(on(where, [*SAVING_RUN, "checkpoint.resume=auto"]), tmp_path / "resumed")
     _same_steps(resumed, full[2:])
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_recompute_on_cuda_keeps_the_run(tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_recompute_on_cuda_keeps_the_run(tmp_path, where):
     """Full recompute replays each layer's forward on the GPU under the forward's random state:
     the same losses and grad norms as without recompute."""
-    plain = run_training([*DROPOUT_RUN, "checkpoint.save_last=false"], tmp_path / "plain")
+    plain = run_training(on(where, [*DROPOUT_RUN, "checkpoint.save_last=false"]), tmp_path / "plain")
     assert len(plain) == 4
-    replayed = run_training([*DROPOUT_RUN, "checkpoint.save_last=false", "recompute.granularity=full"],
+    replayed = run_training(on(where, [*DROPOUT_RUN, "checkpoint.save_last=false", "recompute.granularity=full"]),
                             tmp_path / "full")
     _same_steps(replayed, plain)
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("variant", [("learned", "gelu", 4), ("rope", "swiglu", 2)], ids=["gpt2_style", "llama_gqa"])
-def test_generation_on_cuda_gives_the_cpu_tokens(variant):
+def test_generation_on_cuda_gives_the_cpu_tokens(variant, where):
     """Greedy decoding with the KV cache on the GPU gives the CPU's tokens (float64, large logits:
     the kernels' rounding cannot change an argmax); sampling draws from a generator on the GPU."""
     from test_generate import _greedy, _model
 
     from megatron_hydra.generate import SamplingConfig, generate
 
+    device = "cuda" if where == "cuda" else "cpu"
     _, model = _model(*variant)
     prompt = [5, 17, 99, 3, 42]
     on_cpu = generate(model, prompt, 24, _greedy())
-    model.cuda()
+    model.to(device)
     assert generate(model, prompt, 24, _greedy(), use_cache=True) == on_cpu
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     sampled = generate(model, prompt, 16, SamplingConfig(temperature=0.8, top_k=50, top_p=0.95), generator=generator)
     assert len(sampled) == 16 and all(0 <= t < model.cfg.vocab_size for t in sampled)
