@@ -314,9 +314,9 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
 
 
 def _real_accelerator() -> Optional[str]:
-    """The real accelerator this process could use, or None. On a CUDA build, NVML's device count
-    (``torch.cuda.device_count``), which does not initialise CUDA here: a process that imports the
-    dry run may still fork workers that use the GPU."""
+    """The real accelerator this process could use, or None. On a CUDA build, the device count
+    (``torch.cuda.device_count``), which asks NVML first and then does not initialise CUDA here: a
+    process that imports the dry run may still fork workers that use the GPU."""
     if torch.backends.cuda.is_built():
         return "cuda" if torch.cuda.device_count() > 0 else None
     return str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None
