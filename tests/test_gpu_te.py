@@ -105,7 +105,8 @@ FP8_RUN = [*SHAPE, *LLAMA, "data=demo", "trainer=gpu", "trainer.devices=1", "tra
            "optim.warmup_steps=5", "model.transformer_impl=transformer_engine", "trainer.generate_sample_tokens=0",
            "trainer.enable_progress_bar=false"]
 TP2_RUN = [*MODEL, *LLAMA, "trainer=gpu", "trainer.devices=2", "parallel=tp2", "parallel.sequence_parallel=true",
-           "precision=bf16", "trainer.max_steps=10", "optim.warmup_steps=2", "trainer.enable_progress_bar=false"]
+           "precision=bf16", "trainer.max_steps=10", "trainer.log_every_n_steps=1", "optim.warmup_steps=2",
+           "trainer.enable_progress_bar=false"]
 
 
 def test_fp8_trains_and_its_loss_falls(tmp_path):
@@ -125,6 +126,7 @@ def test_te_tp2_follows_local_tp2(tmp_path):
     common = TP2_RUN
     local = run_training(common, tmp_path / "local")
     te_rows = run_training([*common, "model.transformer_impl=transformer_engine"], tmp_path / "te")
+    assert len(local) == len(te_rows) == 10
     for a, b in zip(local, te_rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
 
