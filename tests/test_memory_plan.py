@@ -320,10 +320,12 @@ def test_cross_entropy_transient_is_what_the_loss_allocates(dtype):
     backward, as the models run them (the logits handed to the loss), less what the loss keeps for
     backward (counted among the activations) and, in backward, the input's gradient
     (counted with the layers). The weight takes no gradient here: the parameters' are planned apart."""
+    from megatron_hydra.parallel import host_memory
     from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_hydra.parallel.layers import vocab_parallel_logits
     from megatron_hydra.planning.memory import cross_entropy_transient_bytes
 
+    host_memory.release_all()  # the logits take fresh memory, as on the first step or a GPU
     b, s, h, vocab = 2, 128, 32, 4096
     x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     w = torch.randn(vocab, h, dtype=dtype)

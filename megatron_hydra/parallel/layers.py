@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel import mappings as M
+from megatron_hydra.parallel.host_memory import reusable_empty
 
 
 def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
@@ -184,10 +185,17 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, 
     ``F.linear`` the gradient would reach the parameter as a transposed view, and the two
     [vocab, hidden] gradients would be summed into a third (an allocation and a pass over 150 MB
     a step for GPT-2's table in fp32). The matmul stays torch's own node, which computes only the
-    gradients a backward pass asks for (a zero-bubble schedule's B and W passes ask for one each)."""
+    gradients a backward pass asks for (a zero-bubble schedule's B and W passes ask for one each).
+    It writes in place (``addmm_`` with ``beta=0``, still torch's node) into memory that, on a CPU,
+    an earlier step's logits left free (``parallel.host_memory``): the largest tensor of the step
+    does not fault its pages in anew every step."""
     x = enter_tp_region(hidden, tp_group, sequence_parallel)
     rows = x.reshape(-1, x.shape[-1]).t()
-    logits_t = torch.mm(weight, rows) if bias is None else torch.addmm(bias.unsqueeze(-1), weight, rows)
+    if bias is None:
+        logits_t = reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device)
+        logits_t = logits_t.addmm_(weight, rows, beta=0)
+    else:
+        logits_t = torch.addmm(bias.unsqueeze(-1), weight, rows)
     mask_padded_vocab(logits_t, vocab_size, C.group_rank(tp_group))
     return logits_t.t().view(*x.shape[:-1], logits_t.shape[0])
 

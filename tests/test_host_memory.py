@@ -1,0 +1,88 @@
+"""Host memory reused across steps for the logits (parallel.host_memory): reused only when free,
+never changing a result, bounded, and only on a CPU."""
+
+import torch
+import torch.nn.functional as F
+
+from megatron_hydra.parallel import host_memory
+from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hydra.parallel.layers import vocab_parallel_logits
+
+B, S, H, VOCAB = 2, 16, 8, 64
+
+
+def _inputs(seed: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, H, dtype=dtype, generator=g, requires_grad=True)
+    w = torch.randn(VOCAB, H, dtype=dtype, generator=g, requires_grad=True)
+    target = torch.randint(0, VOCAB, (B, S), generator=g)
+    return x, w, target
+
+
+def _loss(x, w, target):
+    logits = vocab_parallel_logits(x, w, None, False, VOCAB)
+    return logits, vocab_parallel_cross_entropy(logits, target, inplace=True)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_step_takes_the_memory_the_last_step_freed_and_never_memory_in_use():
+    host_memory.release_all()
+    x, w, target = _inputs(0)
+    logits, loss = _loss(x, w, target)
+    first = _storage(logits)
+    del logits
+    loss.sum().backward()  # the loss's backward was the last user of the logits
+    logits, loss = _loss(x, w, target)
+    assert _storage(logits) == first
+    # A second micro-batch in flight before the first one's backward: its own memory.
+    in_flight, loss_in_flight = _loss(x, w, target)
+    assert _storage(in_flight) != first
+    # Logits a caller keeps (no labels: generation) are not handed out while it holds them.
+    with torch.no_grad():
+        kept = vocab_parallel_logits(x, w, None, False, VOCAB)
+    del logits, in_flight
+    (loss.sum() + loss_in_flight.sum()).backward()
+    again, _ = _loss(x, w, target)
+    assert _storage(again) != _storage(kept)
+
+
+def test_reused_memory_changes_no_result():
+    """Loss and gradients against torch's own linear and cross entropy, in float64, with every kept
+    storage filled with NaN first: the matmul must overwrite (beta=0 ignores NaN), not add."""
+    host_memory.release_all()
+    for seed in range(3):
+        x, w, target = _inputs(seed)
+        for storage in host_memory._kept:
+            torch.empty(0, dtype=torch.float64).set_(storage, 0, (storage.nbytes() // 8,)).fill_(float("nan"))
+        _, loss = _loss(x, w, target)
+        loss.sum().backward()
+        x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        ref = F.cross_entropy(F.linear(x_ref, w_ref).flatten(0, 1), target.flatten(), reduction="none").view(B, S)
+        ref.sum().backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
+    assert host_memory.kept_bytes() > 0
+
+
+def test_changing_shapes_do_not_grow_the_pool_without_bound():
+    host_memory.release_all()
+    for rows in range(1, 4 * host_memory.MAX_KEPT):
+        t = host_memory.reusable_empty((rows * 1000, 3), torch.float32, "cpu")
+        assert t.shape == (rows * 1000, 3) and t.is_contiguous()
+        del t
+    assert len(host_memory._kept) <= host_memory.MAX_KEPT
+    # Held tensors are never evicted or handed out again; beyond the bound they are not kept.
+    held = [host_memory.reusable_empty((10,), torch.float32, "cpu") for _ in range(host_memory.MAX_KEPT + 2)]
+    assert len({_storage(t) for t in held}) == len(held)
+    assert len(host_memory._kept) == host_memory.MAX_KEPT
+
+
+def test_other_devices_take_plain_memory():
+    host_memory.release_all()
+    t = host_memory.reusable_empty((4, 5), torch.bfloat16, "meta")
+    assert t.device.type == "meta" and t.shape == (4, 5)
+    assert host_memory.kept_bytes() == 0
