@@ -1,12 +1,13 @@
-"""Host memory reused across steps for the logits (parallel.host_memory): reused only when free,
-never changing a result, bounded, and only on a CPU."""
+"""Host memory reused across steps for the logits and the embedding table's gradient
+(parallel.host_memory): reused only when free, never changing a result, bounded, only on a CPU."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_hydra.parallel import host_memory
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hydra.parallel.layers import vocab_parallel_logits
+from megatron_hydra.parallel.layers import lookup, vocab_parallel_logits
 
 B, S, H, VOCAB = 2, 16, 8, 64
 
@@ -86,3 +87,31 @@ def test_other_devices_take_plain_memory():
     t = host_memory.reusable_empty((4, 5), torch.bfloat16, "meta")
     assert t.device.type == "meta" and t.shape == (4, 5)
     assert host_memory.kept_bytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_the_lookup_gradient_is_torchs_to_the_bit_and_reuses_memory(dtype):
+    """Repeated ids (rows summed in one order): the table's gradient equals F.embedding's exactly;
+    a second step's gradient lands where the first one's was once the optimizer let it go, and
+    gradients accumulate into a kept ``.grad`` as autograd's own do."""
+    host_memory.release_all()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 12, (B, S), generator=g)  # each of 12 rows looked up ~3 times
+    upstream = torch.randn(B, S, H, generator=g).to(dtype)
+    table = torch.randn(VOCAB, H, generator=g).to(dtype).requires_grad_()
+    ref_table = table.detach().clone().requires_grad_()
+    F.embedding(ids, ref_table).backward(upstream)
+
+    lookup(ids, table).backward(upstream)
+    assert torch.equal(lookup(ids, table), F.embedding(ids, ref_table))
+    assert torch.equal(table.grad, ref_table.grad)
+    first = _storage(table.grad)
+    table.grad = None
+    lookup(ids, table).backward(upstream)
+    assert torch.equal(table.grad, ref_table.grad)
+    if dtype == torch.bfloat16:  # 16-bit tables keep torch's backward (it sums in fp32)
+        assert host_memory.kept_bytes() == 0
+    else:
+        assert _storage(table.grad) == first and first in {s.data_ptr() for s in host_memory._kept}
+    lookup(ids, table).backward(upstream)
+    assert torch.equal(table.grad, 2 * ref_table.grad)

@@ -141,13 +141,39 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if C.group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return lookup(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = lookup(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return M.reduce_scatter_to_sp(out, self.tp_group)
         return M.reduce_from_tp(out, self.tp_group)
+
+
+def lookup(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, table)``. On a CPU, the gradient of an fp32 or fp64 table (zeros but
+    for the rows looked up, as large as the table) is built in host memory an earlier step's
+    gradient left free (``parallel.host_memory``) instead of fresh pages, by the same zero fill
+    and index_add as torch's own backward, to the bit. 16-bit tables keep torch's backward, which
+    sums each row in fp32; accelerators too (their caching allocator already reuses memory)."""
+    if table.requires_grad and table.device.type == "cpu" and table.dtype in (torch.float32, torch.float64):
+        return _LookupWithReusedGrad.apply(ids, table)
+    return F.embedding(ids, table)
+
+
+class _LookupWithReusedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
+        return F.embedding(ids, table)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        table_grad = reusable_empty(ctx.table_shape, ctx.table_dtype, grad.device).zero_()
+        return None, table_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, ctx.table_shape[1]))
 
 
 class PositionEmbedding(nn.Embedding):
