@@ -34,22 +34,23 @@ Prints tokens per CPU-second of each and our speedup over each; asserts nothing.
 cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=15`` after 3
 warm-up rounds; our speedup over Megatron-Core / torchtitan / transformers):
 
-    fp32 GPT-2  s=512  1.11 /  -   / 1.22    s=1024  1.23 /  -   / 1.24
-    bf16 GPT-2  s=512  1.14 /  -   / 1.27    s=1024  1.23 /  -   / 1.33
-    fp32 Llama  s=512  1.18 / 1.15 / 1.09    s=1024  1.26 / 1.22 / 1.20
-    bf16 Llama  s=512  1.15 / 1.25 / 1.25    s=1024  1.18 / 1.24 / 1.25
+    fp32 GPT-2  s=512  1.16 /  -   / 1.25    s=1024  1.26 /  -   / 1.28
+    bf16 GPT-2  s=512  1.09 /  -   / 1.25    s=1024  1.17 /  -   / 1.29
+    fp32 Llama  s=512  1.23 / 1.19 / 1.18    s=1024  1.25 / 1.18 / 1.18
+    bf16 Llama  s=512  1.14 / 1.26 / 1.26    s=1024  1.30 / 1.26 / 1.26
 
-A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs (the
-run before this one read 1.06 for bf16 GPT-2 at seq 512 against Megatron-Core and 1.12 for fp32
-Llama at seq 512 against transformers; a run of the bf16 seq-512 cells alone read 1.19 for the first); the
-cells at seq 512 have the least room, most of all in fp32, where about 60% of every side's step is
-the LM head's three [tokens x 768] x [768 x 50k] matmuls, the same kernels (ours runs the forward
-one vocabulary-major, the faster form on this CPU). What the lead rests on, besides fused
-attention: the cross entropy allocates no [tokens x vocab] tensor (the logits it is handed become
-their exponentials, then their gradient, in place), and with tied embeddings the two gradients of
-the table are summed in place, so a step faults in fewer fresh pages (docs/hf_interop.md): at seq
-512, 100k against Megatron-Core's 124k in fp32 GPT-2, 103k against torchtitan's 176k in fp32 Llama,
-50k against 102-108k in bf16.
+A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs (a
+run of the bf16 seq-512 cells alone, right after, read 1.22 / - / 1.33 for GPT-2 and
+1.19 / 1.26 / 1.27 for Llama; the run of the day before read 1.14 for bf16 GPT-2 at seq 512
+against Megatron-Core); the cells at seq 512 have the least room, most of all in fp32, where about
+60% of every side's step is the LM head's three [tokens x 768] x [768 x 50k] matmuls, the same
+kernels (ours runs the forward one vocabulary-major, the faster form on this CPU). What the lead
+rests on, besides fused attention: the cross entropy allocates no [tokens x vocab] tensor (the
+logits it is handed become their exponentials, then their gradient, in place), with tied
+embeddings the two gradients of the table are summed in place, and on a CPU the logits and an fp32
+table's gradient reuse the memory an earlier step freed (``parallel/host_memory.py``), so a step
+faults in fewer fresh pages (docs/hf_interop.md): at seq 512 in fp32 Llama, 41k against
+torchtitan's and transformers' 176k (103k before the reuse).
 """
 
 from __future__ import annotations
