@@ -109,7 +109,7 @@ def test_the_lookup_gradient_is_torchs_to_the_bit_and_reuses_memory(dtype):
     table.grad = None
     lookup(ids, table).backward(upstream)
     assert torch.equal(table.grad, ref_table.grad)
-    if dtype == torch.bfloat16:  # 16-bit tables keep torch's backward (it sums in fp32)
+    if dtype == torch.bfloat16:  # 16-bit tables keep torch's backward (its rounding)
         assert host_memory.kept_bytes() == 0
     else:
         assert _storage(table.grad) == first and first in {s.data_ptr() for s in host_memory._kept}

@@ -154,8 +154,9 @@ def lookup(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``F.embedding(ids, table)``. On a CPU, the gradient of an fp32 or fp64 table (zeros but
     for the rows looked up, as large as the table) is built in host memory an earlier step's
     gradient left free (``parallel.host_memory``) instead of fresh pages, by the same zero fill
-    and index_add as torch's own backward, to the bit. 16-bit tables keep torch's backward, which
-    sums each row in fp32; accelerators too (their caching allocator already reuses memory)."""
+    and index_add as torch's own backward, to the bit. 16-bit tables keep torch's backward: it
+    rounds after each row it adds, which an index_add in their dtype does not reproduce.
+    Accelerators keep it too (their caching allocator already reuses memory)."""
     if table.requires_grad and table.device.type == "cpu" and table.dtype in (torch.float32, torch.float64):
         return _LookupWithReusedGrad.apply(ids, table)
     return F.embedding(ids, table)
