@@ -31,18 +31,20 @@ RMSNorm, SwiGLU with ffn 2048, untied head):
 - Hugging Face transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``vs_transformers``).
 
 Prints tokens per CPU-second of each and our speedup over each; asserts nothing. Measured on 2
-cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=15`` after 3
+cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=25`` after 3
 warm-up rounds; our speedup over Megatron-Core / torchtitan / transformers):
 
-    fp32 GPT-2  s=512  1.16 /  -   / 1.25    s=1024  1.26 /  -   / 1.28
-    bf16 GPT-2  s=512  1.09 /  -   / 1.25    s=1024  1.17 /  -   / 1.29
-    fp32 Llama  s=512  1.23 / 1.19 / 1.18    s=1024  1.25 / 1.18 / 1.18
-    bf16 Llama  s=512  1.14 / 1.26 / 1.26    s=1024  1.30 / 1.26 / 1.26
+    fp32 GPT-2  s=512  1.16 /  -   / 1.24    s=1024  1.26 /  -   / 1.24
+    bf16 GPT-2  s=512  1.08 /  -   / 1.24    s=1024  1.19 /  -   / 1.28
+    fp32 Llama  s=512  1.21 / 1.19 / 1.20    s=1024  1.26 / 1.19 / 1.16
+    bf16 Llama  s=512  1.11 / 1.20 / 1.20    s=1024  1.26 / 1.26 / 1.26
 
-A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs (a
-run of the bf16 seq-512 cells alone, right after, read 1.22 / - / 1.33 for GPT-2 and
-1.19 / 1.26 / 1.27 for Llama; the run of the day before read 1.14 for bf16 GPT-2 at seq 512
-against Megatron-Core); the cells at seq 512 have the least room, most of all in fp32, where about
+A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs. The
+weakest cells are bf16 at seq 512 against Megatron-Core: GPT-2 read 1.09, 1.22 and 1.17 in three
+other runs that day (15, 15 and 25 rounds), Llama 1.14, 1.19 and 1.18. There our user CPU time is
+only about 5% below Megatron-Core's (1.11 against 1.17 s a step for GPT-2); the rest of the lead
+is its page faults (105k a step against our 38k, 0.22 against 0.09 s of system time), whose cost
+varies with the host. At seq 512 the cells have the least room: in fp32 about
 60% of every side's step is the LM head's three [tokens x 768] x [768 x 50k] matmuls, the same
 kernels (ours runs the forward one vocabulary-major, the faster form on this CPU). What the lead
 rests on, besides fused attention: the cross entropy allocates no [tokens x vocab] tensor (the
