@@ -23,6 +23,7 @@ backward zero-fills its gradient first).
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import List, Sequence
 
@@ -43,9 +44,7 @@ def reusable_empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Te
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize
-    for size in shape:
-        nbytes *= size
+    nbytes = math.prod(shape) * dtype.itemsize
     with _lock:
         free = [s for s in _kept if _only_the_pool_holds(s)]
         fitting = [s for s in free if s.nbytes() >= nbytes]
@@ -57,10 +56,7 @@ def reusable_empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Te
             storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
             if len(_kept) < MAX_KEPT:
                 _kept.append(storage)
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(strides))
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # contiguous strides
 
 
 def release_all() -> None:
