@@ -151,18 +151,22 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def lookup(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(ids, table)``. On a CPU, the gradient of an fp32 or fp64 table (zeros but
-    for the rows looked up, as large as the table) is built in host memory an earlier step's
-    gradient left free (``parallel.host_memory``) instead of fresh pages, by the same zero fill
-    and index_add as torch's own backward, to the bit. 16-bit tables keep torch's backward: it
-    rounds after each row it adds, which an index_add in their dtype does not reproduce.
-    Accelerators keep it too (their caching allocator already reuses memory)."""
-    if table.requires_grad and table.device.type == "cpu" and table.dtype in (torch.float32, torch.float64):
+    """``F.embedding(ids, table)``. On a CPU, the gradient of the table (zeros but for the rows
+    looked up, as large as the table) is built in host memory an earlier step's gradient left free
+    (``parallel.host_memory``) instead of fresh pages, equal to torch's own backward to the bit in
+    every dtype. Accelerators keep torch's backward (their caching allocator already reuses memory)."""
+    if table.requires_grad and table.device.type == "cpu":
         return _LookupWithReusedGrad.apply(ids, table)
     return F.embedding(ids, table)
 
 
 class _LookupWithReusedGrad(torch.autograd.Function):
+    """The backward runs torch's own embedding backward on the rows looked up alone (the ids
+    renumbered 0..n-1 in order of value), then copies those n rows into a zero-filled table.
+    torch's backward adds each occurrence's gradient row into its table row in the order the ids
+    come, rounding after each addition in 16-bit dtypes; the renumbering keeps that order per row,
+    so every dtype gets torch's very sums."""
+
     @staticmethod
     def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(ids)
@@ -173,8 +177,11 @@ class _LookupWithReusedGrad(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
+        looked_up, renumbered = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows = torch.ops.aten.embedding_dense_backward(grad.reshape(-1, ctx.table_shape[1]), renumbered,
+                                                       looked_up.numel(), -1, False)
         table_grad = reusable_empty(ctx.table_shape, ctx.table_dtype, grad.device).zero_()
-        return None, table_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, ctx.table_shape[1]))
+        return None, table_grad.index_copy_(0, looked_up.long(), rows)
 
 
 class PositionEmbedding(nn.Embedding):
