@@ -4,6 +4,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_hydra.parallel import host_memory
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -115,3 +116,55 @@ def test_the_lookup_gradient_is_torchs_to_the_bit_and_reuses_memory(dtype, id_dt
     lookup(ids, table).backward(upstream)
     assert torch.equal(table.grad, 2 * ref_table.grad)
 
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_split_backward_computes_each_head_gradient_once():
+    """The zero-bubble schedules' split backward asks first for the input's gradient, then for the
+    weight's (torch.distributed.pipelining: ``autograd.grad`` to the inputs, then from the saved
+    intermediate gradients to the parameters): each pass runs one of the head's two gradient
+    matmuls, not both, and each gradient equals torch's own linear layer's in float64."""
+    x, w, _ = _inputs(3)
+    probe = torch.randn(B, S, VOCAB, dtype=x.dtype, generator=torch.Generator().manual_seed(5))
+    hidden = x * 1  # a non-leaf, as a stage's hidden states are
+    loss = (vocab_parallel_logits(hidden, w, None, False, VOCAB) * probe).sum()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (F.linear(x_ref, w_ref) * probe).sum().backward()
+
+    with _CountMatmuls() as input_pass:
+        (grad_hidden,) = torch.autograd.grad(loss, [hidden], retain_graph=True)
+    with _CountMatmuls() as weight_pass:
+        (grad_w,) = torch.autograd.grad(loss, [w], retain_graph=True)
+    with _CountMatmuls() as full:
+        loss.backward()
+    assert (input_pass.calls, weight_pass.calls, full.calls) == (1, 1, 2)
+    torch.testing.assert_close(grad_hidden, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_w, w_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tied_tables_two_gradients_add_in_place_in_reused_memory():
+    """A tied embedding's lookup and head gradients meet at the table: autograd adds one into the
+    other in place, so from the second step on the table's gradient is the pool's memory and the
+    step allocates no [vocab, hidden] tensor; the sum equals torch's own in float64."""
+    host_memory.release_all()
+    x, table, target = _inputs(4)
+    ids = target
+    ref = table.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(F.embedding(ids, ref), ref).flatten(0, 1), target.flatten(), reduction="sum").backward()
+    for _ in range(2):
+        table.grad = None
+        hidden = lookup(ids, table)
+        vocab_parallel_cross_entropy(vocab_parallel_logits(hidden, table, None, False, VOCAB), target,
+                                     inplace=True).sum().backward()
+        torch.testing.assert_close(table.grad, ref.grad, rtol=1e-12, atol=1e-12)
+    assert _storage(table.grad) in {s.data_ptr() for s in host_memory._kept}

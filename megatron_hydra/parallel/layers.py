@@ -214,24 +214,58 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, 
 
     Computed vocabulary-major, ``weight @ hidden^T`` ([vocab / tp, tokens]), and handed back as its
     transpose (a strided view: entries of one token lie ``tokens`` apart). The weight is then the
-    matmul's first operand with nothing between it and its parameter, so its gradient is a fresh
-    contiguous tensor: autograd adds a tied embedding's lookup gradient to it in place. Through
-    ``F.linear`` the gradient would reach the parameter as a transposed view, and the two
-    [vocab, hidden] gradients would be summed into a third (an allocation and a pass over 150 MB
-    a step for GPT-2's table in fp32). The matmul stays torch's own node, which computes only the
-    gradients a backward pass asks for (a zero-bubble schedule's B and W passes ask for one each).
-    It writes in place (``addmm_`` with ``beta=0``, still torch's node) into memory that, on a CPU,
-    an earlier step's logits left free (``parallel.host_memory``): the largest tensor of the step
-    does not fault its pages in anew every step."""
+    matmul's first operand with nothing between it and its parameter, so its gradient is a
+    contiguous [vocab, hidden] tensor into which autograd adds a tied embedding's lookup gradient
+    in place. Through ``F.linear`` the gradient would reach the parameter as a transposed view, and
+    the two gradients would be summed into a third (an allocation and a pass over 150 MB a step for
+    GPT-2's table in fp32). Without a bias, the logits and the weight's gradient take memory that,
+    on a CPU, an earlier step's left free (``parallel.host_memory``), so the step's largest tensors
+    do not fault their pages in anew every step; the backward computes only the gradients its pass
+    uses (a zero-bubble schedule's input and weight passes run one matmul each)."""
     x = enter_tp_region(hidden, tp_group, sequence_parallel)
     rows = x.reshape(-1, x.shape[-1]).t()
     if bias is None:
-        logits_t = reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device)
-        logits_t = logits_t.addmm_(weight, rows, beta=0)
+        logits_t = _HeadMatmul.apply(weight, rows)
     else:
         logits_t = torch.addmm(bias.unsqueeze(-1), weight, rows)
     mask_padded_vocab(logits_t, vocab_size, C.group_rank(tp_group))
     return logits_t.t().view(*x.shape[:-1], logits_t.shape[0])
+
+
+class _HeadMatmul(torch.autograd.Function):
+    """``weight @ rows`` in reused host memory. The backward writes the weight's gradient into
+    reused memory too, where torch's own matmul node would return a fresh tensor, and, as torch's
+    node does, computes only the gradients the running backward pass uses."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, rows)
+        return torch.mm(weight, rows, out=reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        weight, rows = ctx.saved_tensors
+        grad_weight = grad_rows = None
+        if _pass_computes(ctx, 0):
+            grad_weight = torch.mm(grad, rows.t(), out=reusable_empty(weight.shape, weight.dtype, weight.device))
+        if _pass_computes(ctx, 1):
+            grad_rows = grad.t().mm(weight).t()
+        return grad_weight, grad_rows
+
+
+def _pass_computes(ctx, i: int) -> bool:
+    """Whether the running backward pass uses the gradient of the node's input ``i``. A zero-bubble
+    schedule's input pass (``autograd.grad`` to the stage's inputs) uses no weight's, its weight
+    pass (from the saved gradients of the nodes that lead to weights) no input's. torch declines to
+    answer for a parameter whose gradient ``autograd.grad`` captures: that gradient is used."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a parameter whose gradient autograd.grad captures
+        return True
 
 
 def mask_padded_vocab(logits_t: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
