@@ -127,28 +127,34 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_split_backward_computes_each_head_gradient_once():
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_a_split_backward_computes_each_head_gradient_once(with_bias):
     """The zero-bubble schedules' split backward asks first for the input's gradient, then for the
     weight's (torch.distributed.pipelining: ``autograd.grad`` to the inputs, then from the saved
     intermediate gradients to the parameters): each pass runs one of the head's two gradient
     matmuls, not both, and each gradient equals torch's own linear layer's in float64."""
     x, w, _ = _inputs(3)
-    probe = torch.randn(B, S, VOCAB, dtype=x.dtype, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    probe = torch.randn(B, S, VOCAB, dtype=x.dtype, generator=g)
+    bias = torch.randn(VOCAB, dtype=x.dtype, generator=g).requires_grad_() if with_bias else None
     hidden = x * 1  # a non-leaf, as a stage's hidden states are
-    loss = (vocab_parallel_logits(hidden, w, None, False, VOCAB) * probe).sum()
+    loss = (vocab_parallel_logits(hidden, w, None, False, VOCAB, bias=bias) * probe).sum()
     x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    (F.linear(x_ref, w_ref) * probe).sum().backward()
+    b_ref = bias.detach().clone().requires_grad_() if with_bias else None
+    (F.linear(x_ref, w_ref, b_ref) * probe).sum().backward()
 
+    weights = [w, bias] if with_bias else [w]
     with _CountMatmuls() as input_pass:
         (grad_hidden,) = torch.autograd.grad(loss, [hidden], retain_graph=True)
     with _CountMatmuls() as weight_pass:
-        (grad_w,) = torch.autograd.grad(loss, [w], retain_graph=True)
+        grad_weights = torch.autograd.grad(loss, weights, retain_graph=True)
     with _CountMatmuls() as full:
         loss.backward()
     assert (input_pass.calls, weight_pass.calls, full.calls) == (1, 1, 2)
     torch.testing.assert_close(grad_hidden, x_ref.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad_w, w_ref.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
+    for grad, param, ref in zip(grad_weights, weights, [w_ref, b_ref]):
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
 
 

@@ -14,11 +14,11 @@ count is the pool's own one). It lends it as a tensor with a storage of its own 
 is fresh memory nothing else refers to, so where two gradients of one tensor meet (a tied
 embedding's lookup and head) it adds one into the other in place instead of allocating their sum
 (as it would if the tensor were over the kept storage itself, which the pool's reference makes a
-storage with two users). A tensor still in use (the logits of a
-micro-batch whose backward has not run yet, logits a caller kept, a gradient the optimizer has not
-stepped with) is never handed out twice; other memory is used then. The pool keeps at most
-``MAX_KEPT`` storages, evicting the smallest free one, so changing shapes cannot grow it without
-bound. What it keeps between steps is memory the step held at its peak anyway.
+storage with two users). A tensor still in use (the logits of a micro-batch whose backward has not
+run yet, logits a caller kept, a gradient the optimizer has not stepped with) is never handed out
+twice; other memory is used then. The pool keeps at most ``MAX_KEPT`` storages, evicting the
+smallest free one, so changing shapes cannot grow it without bound. Between steps it keeps the
+memory of all three tensors, one more such tensor than a step holds at once (docs/memory.md).
 
 The contents of a reused storage are the last user's: callers overwrite every entry (the head's
 matmuls write their whole output, ignoring what was there, NaN included; the lookup's backward

@@ -218,40 +218,42 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, 
     contiguous [vocab, hidden] tensor into which autograd adds a tied embedding's lookup gradient
     in place. Through ``F.linear`` the gradient would reach the parameter as a transposed view, and
     the two gradients would be summed into a third (an allocation and a pass over 150 MB a step for
-    GPT-2's table in fp32). Without a bias, the logits and the weight's gradient take memory that,
-    on a CPU, an earlier step's left free (``parallel.host_memory``), so the step's largest tensors
-    do not fault their pages in anew every step; the backward computes only the gradients its pass
-    uses (a zero-bubble schedule's input and weight passes run one matmul each)."""
+    GPT-2's table in fp32). The logits and the weight's gradient take memory that, on a CPU, an
+    earlier step's left free (``parallel.host_memory``), so the step's largest tensors do not fault
+    their pages in anew every step; the backward computes only the gradients its pass uses (a
+    zero-bubble schedule's input and weight passes run one matmul each)."""
     x = enter_tp_region(hidden, tp_group, sequence_parallel)
     rows = x.reshape(-1, x.shape[-1]).t()
-    if bias is None:
-        logits_t = _HeadMatmul.apply(weight, rows)
-    else:
-        logits_t = torch.addmm(bias.unsqueeze(-1), weight, rows)
+    logits_t = _HeadMatmul.apply(weight, rows, bias)
     mask_padded_vocab(logits_t, vocab_size, C.group_rank(tp_group))
     return logits_t.t().view(*x.shape[:-1], logits_t.shape[0])
 
 
 class _HeadMatmul(torch.autograd.Function):
-    """``weight @ rows`` in reused host memory. The backward writes the weight's gradient into
-    reused memory too, where torch's own matmul node would return a fresh tensor, and, as torch's
-    node does, computes only the gradients the running backward pass uses."""
+    """``weight @ rows (+ bias)`` in reused host memory. The backward writes the weight's gradient
+    into reused memory too, where torch's own matmul node would return a fresh tensor, and, as
+    torch's node does, computes only the gradients the running backward pass uses."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(weight, rows)
-        return torch.mm(weight, rows, out=reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device))
+        out = reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device)
+        if bias is None:
+            return torch.mm(weight, rows, out=out)
+        return torch.addmm(bias.unsqueeze(-1), weight, rows, out=out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         weight, rows = ctx.saved_tensors
-        grad_weight = grad_rows = None
+        grad_weight = grad_rows = grad_bias = None
         if _pass_computes(ctx, 0):
             grad_weight = torch.mm(grad, rows.t(), out=reusable_empty(weight.shape, weight.dtype, weight.device))
         if _pass_computes(ctx, 1):
             grad_rows = grad.t().mm(weight).t()
-        return grad_weight, grad_rows
+        if _pass_computes(ctx, 2):
+            grad_bias = grad.sum(1)
+        return grad_weight, grad_rows, grad_bias
 
 
 def _pass_computes(ctx, i: int) -> bool:
