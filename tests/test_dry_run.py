@@ -142,6 +142,18 @@ def test_planted_dtype_bug_is_named(monkeypatch):
 
 
 @in_this_process
+def test_planted_dtype_bug_in_the_output_layer_is_named(monkeypatch):
+    """The LM head's matmuls write into given memory (``out=``): checked as every matmul is."""
+    from megatron_hydra.parallel import layers
+
+    apply = layers._HeadMatmul.apply
+    monkeypatch.setattr(layers._HeadMatmul, "apply", lambda weight, rows, bias: apply(weight, rows.float(), bias))
+    cfg, derived = _cfg("trainer.devices=1", "precision=bf16")
+    with pytest.raises(DryRunError, match=r"aten\.mm\.out mixes dtypes \(bfloat16, float32\)"):
+        D.dry_run(cfg, derived, [0])
+
+
+@in_this_process
 def test_host_reads_of_device_values_are_counted():
     device = fake_gpu.register()
     with fake_gpu.fake_gpu() as check:

@@ -1,4 +1,4 @@
-"""Host memory reused across steps for the logits and the embedding table's gradient
+"""Host memory reused across steps for the logits and the head's and embedding table's gradients
 (parallel.host_memory): reused only when free, never changing a result, bounded, only on a CPU."""
 
 import pytest
@@ -163,8 +163,8 @@ def test_a_tied_tables_two_gradients_add_in_place_in_reused_memory():
     other in place, so from the second step on the table's gradient is the pool's memory and the
     step allocates no [vocab, hidden] tensor; the sum equals torch's own in float64."""
     host_memory.release_all()
-    x, table, target = _inputs(4)
-    ids = target
+    _, table, target = _inputs(4)
+    ids = target  # any ids of the vocabulary
     ref = table.detach().clone().requires_grad_()
     F.cross_entropy(F.linear(F.embedding(ids, ref), ref).flatten(0, 1), target.flatten(), reduction="sum").backward()
     for _ in range(2):

@@ -47,7 +47,8 @@ FAKE_DEVICE = "fakegpu"
 # The directory holding the megatron_hydra package (frames below it are shown relative to it).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MATMUL_OPS = {
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default", "aten.addmv.default",
+    "aten.mm.default", "aten.mm.out", "aten.addmm.default", "aten.addmm.out", "aten.bmm.default",
+    "aten.baddbmm.default", "aten.addmv.default",
     "aten.mv.default", "aten.dot.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default", "aten.convolution.default",
