@@ -260,12 +260,14 @@ def _pass_computes(ctx, i: int) -> bool:
     """Whether the running backward pass uses the gradient of the node's input ``i``. A zero-bubble
     schedule's input pass (``autograd.grad`` to the stage's inputs) uses no weight's, its weight
     pass (from the saved gradients of the nodes that lead to weights) no input's. torch declines to
-    answer for a parameter whose gradient ``autograd.grad`` captures: that gradient is used."""
+    answer for a parameter whose gradient ``autograd.grad`` captures: that gradient is used. The
+    question is torch's private API; a torch without it gets every gradient computed (slower in a
+    split backward, never wrong)."""
     if not ctx.needs_input_grad[i]:
         return False
-    node = ctx.next_functions[i][0]
+    node, will_execute = ctx.next_functions[i][0], getattr(torch._C, "_will_engine_execute_node", None)
     try:
-        return node is None or torch._C._will_engine_execute_node(node)
+        return node is None or will_execute is None or will_execute(node)
     except RuntimeError:  # a parameter whose gradient autograd.grad captures
         return True
 
