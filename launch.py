@@ -19,6 +19,7 @@ from typing import List, Optional
 import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_hydra.config import register_configs
 from megatron_hydra.errors import ConfigError, MegatronHydraError
@@ -60,6 +61,7 @@ def _multirun_job_dir() -> Optional[str]:
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
+    from megatron_hydra.checkpoint.model_source import FROM_CHECKPOINT, model_config
     from megatron_hydra.config.known_keys import check_known_keys
     from megatron_hydra.launcher import Interrupted, WorkerFailed, run
 
@@ -68,10 +70,15 @@ def main(cfg: DictConfig) -> Optional[float]:
         _jobs.append(job_dir)
     try:
         check_known_keys(cfg)
+        if cfg.model.name == FROM_CHECKPOINT:
+            cfg.model = model_config(cfg.checkpoint.load, _model_overrides())
         run_cfg = OmegaConf.to_object(cfg)
         _check_sweep_objective(run_cfg)
     except MegatronHydraError as e:  # every job of a sweep would fail the same way: stop it here
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:  # e.g. model.name='${nope}': an interpolation that does not resolve
+        print(f"error: {_omegaconf_error_line(e)}", file=sys.stderr)
         sys.exit(2)
     try:
         # The final validation loss: the objective a sweeper (hydra/sweeper=optuna) minimises.
@@ -88,6 +95,26 @@ def main(cfg: DictConfig) -> Optional[float]:
         print(f"error: job {job_dir} failed: {e}", file=sys.stderr)
         _failed.append(job_dir)
         return float("inf")
+
+
+def _model_overrides() -> List[tuple]:
+    """The command line's ``model.<key>=<value>`` overrides as (key, value) pairs: with
+    ``model=from_checkpoint`` they apply on top of the checkpoint's own model."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return []
+    parsed = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return [(o.key_or_group[len("model."):], o.value()) for o in parsed
+            if o.key_or_group.startswith("model.") and not o.is_delete()]
+
+
+def _omegaconf_error_line(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's multi-line message as one line that names the key."""
+    key = getattr(exc, "full_key", None)
+    what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key + ': ' if key else ''}{what}: fix that value on the command line or in its config file"
 
 
 def _hydra_error_line(exc: BaseException) -> Optional[str]:

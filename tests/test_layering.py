@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_hydra"
 
 LEVELS = {
-    "errors": 0,
+    "errors": 0, "untrusted": 0,  # user-facing errors; reading files from elsewhere
     "config": 1, "slurm": 1, "lifecycle": 1,  # pure data and process/environment helpers
     "parallel": 2,
     "models": 3,
