@@ -129,3 +129,16 @@ def parse_yaml(text: str, source: str, error: Type[MegatronHydraError] = Checkpo
         first = " ".join(str(e).split())[:300]
         raise error(f"{source}: not plain YAML data ({first})") from None
     return _check_depth(value, source, error, max_depth)
+
+
+def surrogate(text: str) -> str:
+    """Where ``text`` holds a lone surrogate (a JSON ``\\ud800``-style escape that is no
+    character: UTF-8 cannot encode it, nor can a tokenizer), or "" when it holds none."""
+    if text.isascii():
+        return ""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"lone surrogate escape \\u{ord(text[e.start]):04x} at character {e.start}, which is not "
+                "Unicode text")
+    return ""

@@ -17,15 +17,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_hydra"
 
 LEVELS = {
-    "errors": 0, "untrusted": 0,  # user-facing errors; reading files from elsewhere
-    "config": 1, "slurm": 1, "lifecycle": 1,  # pure data and process/environment helpers
-    "parallel": 2,
-    "models": 3,
-    "data": 4,
-    "checkpoint": 5, "planning": 5,
-    "convert": 6, "generate": 6, "report": 6,
-    "training": 7,
-    "launcher": 8,
+    "errors": 0,
+    "untrusted": 1,  # reading files from elsewhere (bounded, regular files only)
+    "config": 2, "slurm": 2, "lifecycle": 2,  # pure data and process/environment helpers
+    "parallel": 3,
+    "models": 4,
+    "data": 5,
+    "checkpoint": 6, "planning": 6,
+    "convert": 7, "generate": 7, "report": 7,
+    "training": 8,
+    "launcher": 9,
 }
 
 

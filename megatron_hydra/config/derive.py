@@ -16,6 +16,7 @@ import torch
 
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
+from megatron_hydra.config.ranges import check_ranges
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
 from megatron_hydra.errors import ConfigError
@@ -477,6 +478,7 @@ def derive(cfg: RunConfig) -> Derived:
     """Validate ``cfg`` and compute everything that follows from it."""
     _check_resolved(cfg)
     _check_choices(cfg)
+    check_ranges(cfg)
     _check_positive(cfg)
     check_observability(cfg)
     world, tp, pp, cp, dp = _parallel_degrees(cfg)

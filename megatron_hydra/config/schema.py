@@ -40,6 +40,7 @@ class MoEConfig:
 class ModelConfig:
     """Shape and flavour of the network. Published shapes live in ``conf/model/*.yaml``."""
 
+    # A preset's name; from_checkpoint: the model checkpoint.load holds (checkpoint/model_source.py).
     name: str = "gpt_tiny"
     arch: str = "gpt"  # gpt | bert | t5 (docs/models.md)
     num_layers: int = 4
@@ -198,6 +199,7 @@ class DataConfig:
     # memory-mapped slice, and workers would take cores from the ranks' compute threads), 2 on GPU
     # (the next batches are read and pinned while the GPU computes).
     num_workers: Union[int, str] = 0
+    # The data order's seed: an integer in [0, 2**32), numpy's range (config/ranges.py).
     seed: int = 1234
     # BERT and T5 samples (model.arch=bert|t5; docs/models.md): the fraction of tokens masked
     # (T5: the noise density), the chance of a shorter sample, whole-word masking (BERT), and
@@ -375,6 +377,9 @@ class RunConfig:
     # the job on a CPU: fake process group, fake GPU tensors; docs/dry_run.md)
     mode: str = "train"
     dry_run: DryRunConfig = field(default_factory=DryRunConfig)
+    # Weights, dropout and every other random stream: an integer in [0, 2**32) (numpy's and
+    # Lightning's range), less 100 per pipeline stage after the first (each stage seeds with
+    # seed + 100 x stage; config/ranges.py).
     seed: int = 1234
     # Filled by Hydra (interpolated from ${hydra:...}) so that workers know where to write.
     run_dir: str = MISSING

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 from typing import Dict, List, Optional, Tuple
 
 from megatron_hydra.errors import DataError
+from megatron_hydra.untrusted import MiB, load_json
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenisation: contractions, letters, digits, other symbols (each with one optional
@@ -39,6 +39,8 @@ LLAMA3_EOD_TOKEN = "<|end_of_text|>"
 # GPT-2's and Megatron's spellings of the two files in a folder, most common first.
 VOCAB_NAMES = ("vocab.json", "gpt2-vocab.json")
 MERGES_NAMES = ("merges.txt", "gpt2-merges.txt")
+# GPT-2's vocab.json is about 1 MB; a file far larger is not a vocabulary.
+_VOCAB_LIMIT = 256 * MiB
 
 
 def llama3_special_tokens() -> List[str]:
@@ -86,11 +88,7 @@ def gpt2_files(path: str, merge_file: Optional[str]) -> Tuple[str, str]:
 
 
 def _read_gpt2_vocab(path: str) -> Dict[str, int]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            vocab = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DataError(f"{path}: not a readable GPT-2 vocab.json ({str(e).splitlines()[0]})") from None
+    vocab = load_json(path, _VOCAB_LIMIT, "GPT-2 vocab.json", DataError)
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
         raise DataError(f"{path}: not a GPT-2 vocab.json (expected a JSON object of token -> id)")
     return vocab

@@ -23,6 +23,7 @@ from megatron_hydra.data.indexed import IndexedDataset
 from megatron_hydra.data.packed_documents import DocumentFlags
 from megatron_hydra.data.sft_dataset import build_sft_datasets, tokenize_conversations
 from megatron_hydra.data.synthetic import SyntheticDataset
+from megatron_hydra.data.token_range import token_range
 from megatron_hydra.data.tokenizers import Tokenizer, build_tokenizer
 from megatron_hydra.errors import ConfigError, DataError
 
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 # data.name values that read data.blend: the plain one and the BERT / T5 presets of conf/data/.
 INDEXED = ("indexed", "indexed_bert", "indexed_t5")
-# Below this many tokens the whole file is checked against the vocabulary; above, a sample.
-_FULL_CHECK_TOKENS = 1 << 24
-_CHECKED_SEQUENCES = 1024
 
 
 def parse_blend(blend: Optional[Sequence[Any]]) -> List[Tuple[float, str]]:
@@ -84,26 +82,21 @@ def split_documents(num_documents: int, proportions: Sequence[float]) -> List[np
     return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(len(proportions))]
 
 
-def check_vocab(ds: IndexedDataset, vocab_size: int) -> None:
+def check_vocab(ds: IndexedDataset, vocab_size: int, cache_dir: Optional[str] = None) -> None:
     """Token ids outside ``[0, vocab_size)`` would index past the embedding table mid-run (or
-    silently on some devices); find them now, naming the file."""
+    silently on some devices); find them now, naming the file. Every token is checked (its range
+    is cached per file, ``token_range``), and ``ds`` checks every later read too."""
     path = ds.prefix + ".bin"
     if ds.dtype.kind not in "iu":
         raise DataError(f"{path}: tokens are {ds.dtype}, not integers; re-create it with preprocess")
-    if ds.num_tokens == 0:
-        return
-    if ds.num_tokens <= _FULL_CHECK_TOKENS:
-        lo, hi = int(ds.tokens.min()), int(ds.tokens.max())
-    else:
-        picks = np.unique(np.linspace(0, len(ds) - 1, _CHECKED_SEQUENCES).astype(np.int64))
-        parts = [ds.get(int(i), 0, min(int(ds.sequence_lengths[i]), 1 << 16)) for i in picks]
-        sample = np.concatenate(parts) if parts else np.zeros(0, ds.dtype)
-        lo, hi = (int(sample.min()), int(sample.max())) if len(sample) else (0, 0)
-    if hi >= vocab_size:
-        raise DataError(f"{path}: token id {hi} >= the model's vocabulary size {vocab_size}; set "
-                        f"model.vocab_size > {hi} or re-tokenize with a smaller vocabulary")
-    if lo < 0:
-        raise DataError(f"{path}: negative token id {lo}; the file is corrupt, re-create it")
+    if ds.num_tokens:
+        lo, hi = token_range(ds, default_cache_dir(ds.prefix, cache_dir))
+        if hi >= vocab_size:
+            raise DataError(f"{path}: token id {hi} >= the model's vocabulary size {vocab_size}; set "
+                            f"model.vocab_size > {hi} or re-tokenize with a smaller vocabulary")
+        if lo < 0:
+            raise DataError(f"{path}: negative token id {lo}; the file is corrupt, re-create it")
+    ds.bound_tokens(vocab_size)
 
 
 def _corpora(data_cfg) -> List[Tuple[float, str]]:
@@ -129,13 +122,13 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
         return _sft_datasets(data_cfg, seq_length, seed, num_samples, vocab_size)
     corpora = _corpora(data_cfg)
     opened = [(w, IndexedDataset(p)) for w, p in corpora]
+    cache = data_cfg.cache_dir if data_cfg.name in INDEXED else None
     for _, ds in opened:
-        check_vocab(ds, vocab_size)
         if ds.num_documents == 0 or ds.num_tokens == 0:
             raise DataError(f"{ds.prefix}.bin: no tokens: the corpus is empty")
+        check_vocab(ds, vocab_size, cache)
     proportions = parse_split(data_cfg.split)
     splits = [split_documents(ds.num_documents, proportions) for _, ds in opened]
-    cache = data_cfg.cache_dir if data_cfg.name in INDEXED else None
     out: List[Optional[Dataset]] = []
     for s, name in enumerate(SPLIT_NAMES):
         parts = [(w, ds, docs[s]) for (w, ds), docs in zip(opened, splits) if len(docs[s])]

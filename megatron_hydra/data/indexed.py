@@ -84,10 +84,15 @@ class IndexedDataset:
     ``ds.get(i, offset, length)`` reads part of it. Every inconsistency between the header, the
     index arrays and the file sizes is a ``DataError`` naming the file, raised here at open time
     rather than as a garbage sample or a segfault deep in training.
+
+    With ``vocab_size`` set (``bound_tokens``), every read checks its tokens against it: the whole
+    file is checked before training starts (``builders.check_vocab``), but a file replaced since
+    then would otherwise index past the embedding table with a traceback instead of one line.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, vocab_size: Optional[int] = None):
         self.prefix = prefix
+        self.vocab_size = vocab_size
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
@@ -168,12 +173,26 @@ class IndexedDataset:
             start = int(ends[-1])
         return start
 
+    def bound_tokens(self, vocab_size: int) -> None:
+        """From now on, a read holding a token id outside ``[0, vocab_size)`` is a DataError."""
+        self.vocab_size = int(vocab_size)
+
+    def _check_tokens(self, tokens: np.ndarray, idx: int) -> None:
+        hi = int(tokens.max())
+        lo = int(tokens.min()) if self.dtype.kind == "i" else 0
+        where = f"{self._bin_path}: sequence {idx % len(self)} holds token id"
+        if lo < 0:
+            raise DataError(f"{where} {lo}, and ids are never negative: the file is corrupt; re-create it")
+        if hi >= self.vocab_size:
+            raise DataError(f"{where} {hi} >= the model's vocabulary size {self.vocab_size} (the file changed after "
+                            f"the check at start-up?): set model.vocab_size > {hi} or re-tokenize the corpus")
+
     def __getstate__(self):
         """Pickle the prefix, not the mapped files (a spawned DataLoader worker re-opens them)."""
-        return {"prefix": self.prefix}
+        return {"prefix": self.prefix, "vocab_size": self.vocab_size}
 
     def __setstate__(self, state):
-        self.__init__(state["prefix"])
+        self.__init__(state["prefix"], state.get("vocab_size"))
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -193,7 +212,10 @@ class IndexedDataset:
             raise IndexError(f"tokens {offset}:{offset + length} out of range for sequence {idx} "
                              f"of length {size} in {self.prefix}")
         start = int(self._pointers[idx]) // self.dtype.itemsize + offset
-        return np.asarray(self._bin[start:start + length])
+        tokens = np.asarray(self._bin[start:start + length])
+        if self.vocab_size is not None and tokens.size:
+            self._check_tokens(tokens, idx)
+        return tokens
 
     @property
     def sequence_lengths(self) -> np.ndarray:

@@ -29,7 +29,6 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import re
@@ -47,6 +46,7 @@ from megatron_hydra.config.schema import TokenizerConfig
 from megatron_hydra.data import indexed
 from megatron_hydra.data.tokenizers import DEFAULT_BPE_VOCAB, Tokenizer, build_tokenizer, train_bpe
 from megatron_hydra.errors import ConfigError, DataError, MegatronHydraError
+from megatron_hydra.untrusted import parse_json, surrogate
 
 INPUT_SUFFIXES = (".jsonl", ".txt")
 
@@ -158,23 +158,16 @@ def batches(items: Iterator[Item], chunk_bytes: int, max_items: int = 4096) -> I
 
 
 def iter_texts(files: List[str], keys: List[str], chunk_bytes: int, on_bad_line: str = "skip") -> Iterator[str]:
-    """Every text of the input under ``keys`` (for BPE training). Bad lines are skipped: the
-    conversion reports them, but with ``on_bad_line=stop`` a line that is not UTF-8 stops here,
-    before the training."""
-    for fi, line_no, is_json, payload, _, why in read_items(files, chunk_bytes):
-        if why:
+    """Every text of the input under ``keys`` (for BPE training). Bad lines are skipped, or with
+    ``on_bad_line=stop`` the first one stops here, before the training, with the error the
+    conversion would give."""
+    for item in read_items(files, chunk_bytes):
+        texts, why = _parse(item, keys)
+        if texts is None:
             if on_bad_line == "stop":
-                _bad_line(on_bad_line, files[fi], line_no, why, 1)
+                _bad_line(on_bad_line, files[item[0]], item[1], why, 1)
             continue
-        if not is_json:
-            yield payload.decode("utf-8")
-            continue
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            yield from (obj[k] for k in keys if isinstance(obj.get(k), str))
+        yield from texts
 
 
 # ----------------------------------------------------------------------------- workers
@@ -201,20 +194,27 @@ def split_sentences(text: str) -> List[str]:
 
 
 def _parse(item: Item, keys: List[str]) -> Tuple[Optional[List[str]], str]:
-    """(texts per key, "") or (None, why the line is unusable)."""
+    """(texts per key, "") or (None, why the line is unusable). A line of the input is hostile
+    until parsed: its nesting is bounded (a line of 100k brackets would exhaust the parser's
+    stack), and a ``\\ud800`` escape, valid JSON but a lone surrogate rather than a character,
+    makes the line bad (as bytes that are not UTF-8 do) rather than being replaced silently."""
     if item[5]:
         return None, item[5]
     if not item[2]:
         return [item[3].decode("utf-8")], ""
     try:
-        obj = json.loads(item[3])
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        return None, f"not valid JSON ({e})"
+        obj = parse_json(item[3].decode("utf-8-sig"), "", DataError)
+    except DataError as e:
+        return None, str(e).removeprefix(": ")
     if not isinstance(obj, dict):
         return None, f"a JSON {type(obj).__name__}, not an object"
     missing = [k for k in keys if not isinstance(obj.get(k), str)]
     if missing:
         return None, f"no string field {missing[0]!r}"
+    for k in keys:
+        why = surrogate(obj[k])
+        if why:
+            return None, f"field {k!r}: {why}"
     return [obj[k] for k in keys], ""
 
 

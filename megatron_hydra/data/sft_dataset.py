@@ -29,7 +29,6 @@ datasets; conversations are tokenized in memory at start-up, on every rank.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from megatron_hydra.data.chat_template import ROLES, load_template
 from megatron_hydra.data.packing import best_fit_packs, one_per_pack
 from megatron_hydra.data.tokenizers import Tokenizer
 from megatron_hydra.errors import DataError
+from megatron_hydra.untrusted import parse_json, surrogate
 
 log = logging.getLogger(__name__)
 _FORMS = ('{"messages": [{"role": ..., "content": ...}, ...]}', '{"prompt": ..., "response": ...}')
@@ -84,11 +84,12 @@ def read_conversations(path: str) -> List[List[Dict[str, str]]]:
                 raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line:
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            out.append(_messages(obj, where))
+            conversation = _messages(parse_json(line, where, DataError), where)
+            for j, m in enumerate(conversation):
+                why = surrogate(m["content"])
+                if why:
+                    raise DataError(f"{where}: message {j}: {why}; fix or remove the line")
+            out.append(conversation)
     if not out:
         raise DataError(f"data.path={path}: no conversations in the file")
     return out
