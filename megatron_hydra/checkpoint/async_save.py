@@ -25,8 +25,10 @@ import threading
 from typing import Callable, Dict, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hydra.checkpoint.chunks import Chunks
+from megatron_hydra.checkpoint.safe_reader import dcp_failure
 from megatron_hydra.errors import CheckpointError
 
 
@@ -109,6 +111,8 @@ class BackgroundWriter:
         error, self._error = self._error, None
         if error is None:
             return
+        if isinstance(error, CheckpointException):  # its message names only the failed ranks
+            error = dcp_failure(error)
         if isinstance(error, CheckpointError):
             raise error
         first = (str(error).strip().splitlines() or [""])[0]

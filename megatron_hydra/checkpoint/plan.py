@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 from megatron_hydra.checkpoint import sharded, store
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.config.io import to_yaml
+from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.state import ParallelState
 
 
@@ -39,14 +40,31 @@ def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
     """The checkpoint this run starts from (``resume=auto``: the newest complete one in the
     directory, else ``checkpoint.load``) with its metadata, after checking that it fits this
     model; ``None`` for a fresh start. Cheap (metadata only): the launcher calls it before any
-    worker starts, so a bad checkpoint is a one-line error, and each worker calls it again."""
-    path = store.resolve(checkpoint_dir(cfg), cfg.checkpoint.resume, cfg.checkpoint.load)
+    worker starts, so a bad checkpoint is a one-line error, and each worker calls it again.
+    ``checkpoint.dir`` belongs to one run: a link there is refused (``store.check_no_links``), and
+    so is ``resume=none`` into a directory that holds complete checkpoints (``fresh_start``)."""
+    root = checkpoint_dir(cfg)
+    store.check_no_links(root)
+    if cfg.checkpoint.resume != "auto":
+        fresh_start(root)
+    path = store.resolve(root, cfg.checkpoint.resume, cfg.checkpoint.load)
     if path is None:
         return None
     found = store.validate(path)
     sharded.check_shapes(path, found["shapes"], logical_shapes(derived), found["has_optimizer"],
                          cfg.checkpoint.load_optimizer)
     return {"path": path, **found}
+
+
+def fresh_start(root: str) -> None:
+    """A one-line ``ConfigError`` when a run that does not continue the checkpoints in ``root``
+    would write there: its steps would interleave with theirs, ``resume=auto`` would later take
+    the newest of either run, and retention could not tell whose checkpoint it deletes."""
+    newest = store.latest(root)
+    if newest is not None:
+        raise ConfigError(f"checkpoint.dir={root} already holds checkpoints (newest: {os.path.basename(newest)}) "
+                          "and checkpoint.resume=none starts a new run there: continue them with "
+                          "checkpoint.resume=auto, give this run another checkpoint.dir, or remove them")
 
 
 def meta(cfg: RunConfig, derived: Derived, step: int, consumed_samples: int, saved_layout: Optional[dict] = None) -> dict:

@@ -4,10 +4,13 @@ one would have drawn (dropout masks, anything seeded).
 The file holds only tensors, numbers and strings, so it is read back with
 ``torch.load(weights_only=True)``: loading a checkpoint never unpickles arbitrary objects.
 The states belong to a rank's place in the layout; a run with another layout keeps its fresh seeds.
+A file that is not a regular file, too large, or not a state ``capture`` wrote is a one-line
+``CheckpointError`` (``read``), raised before any generator is changed.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import random
 from typing import Optional
@@ -16,7 +19,11 @@ import numpy as np
 
 import torch
 
+from megatron_hydra import untrusted
+from megatron_hydra.errors import CheckpointError
 from megatron_hydra.parallel.random import get_rng_tracker
+
+MAX_BYTES = 16 * untrusted.MiB  # a rank's states take a few kilobytes
 
 
 def capture() -> dict:
@@ -56,5 +63,55 @@ def save(path: str, state: Optional[dict] = None) -> None:
     torch.save(capture() if state is None else state, path)
 
 
+def _check_generator(state) -> None:
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError("a generator state is not a 1-d uint8 tensor")
+
+
+def check(state) -> None:
+    """Raise ``ValueError``/``TypeError``/``KeyError`` unless ``state`` is one that ``restore``
+    applies whole: each part is tried on a generator of its own, not on this process's."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a {type(state).__name__}, not a dict")
+    py, n = state["python"], state["numpy"]
+    if py["gauss"] is not None and not isinstance(py["gauss"], float):
+        raise TypeError("python's gauss state is not a float")
+    random.Random().setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    if not isinstance(n["keys"], torch.Tensor):
+        raise TypeError("numpy keys are not a tensor")
+    np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                                       n["cached"]))
+    torch.Generator().set_state(state["torch"])
+    if "cuda" in state:
+        _check_generator(state["cuda"])
+    seeds, states = state["tracker_seeds"], state["tracker_states"]
+    if not isinstance(seeds, dict) or not isinstance(states, dict) or set(seeds) != set(states):
+        raise ValueError("the tracker's seeds and states do not match")
+    for name, by_device in states.items():
+        if not isinstance(seeds[name], int) or not isinstance(by_device, dict):
+            raise TypeError(f"tracker state {name!r} is malformed")
+        for device, gen_state in by_device.items():
+            _check_generator(gen_state)
+            if device == "cpu":
+                torch.Generator().set_state(gen_state)
+
+
+def read(path: str) -> dict:
+    """The states in the file ``path``, checked; a one-line ``CheckpointError`` naming it otherwise."""
+    data = untrusted.read_bytes(path, MAX_BYTES, "random-state file", CheckpointError)
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:  # any malformed or crafted file: one line, never a traceback (nor torch's advice)
+        raise CheckpointError(f"{path}: not random states saved by megatron-hydra (not a torch file of tensors "
+                              "and numbers)") from None
+    try:
+        check(state)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: not random states saved by megatron-hydra ({type(e).__name__}: {first})") \
+            from None
+    return state
+
+
 def load(path: str) -> None:
-    restore(torch.load(path, weights_only=True))
+    restore(read(path))

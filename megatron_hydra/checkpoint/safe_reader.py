@@ -13,6 +13,9 @@ plain ``pickle``, which would execute whatever a crafted file asks for. Three ho
 - **Paths.** Each storage record names the file it lives in; a name that is not a plain file of
   the checkpoint directory (``../x``, ``/etc/x``) is refused.
 
+The file itself is opened as a regular file only (``untrusted.open_regular``, no link followed):
+a FIFO would block the reader forever.
+
 Anything refused is a one-line ``CheckpointError`` naming the file.
 """
 
@@ -26,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from megatron_hydra import untrusted
 from megatron_hydra.checkpoint.chunks import LoadPlanner
 from megatron_hydra.errors import CheckpointError
 
@@ -74,11 +78,12 @@ def _check(file: str, metadata) -> None:
 def read_metadata(path: str):
     """DCP's metadata of the checkpoint directory ``path``, unpickled with the allowlist."""
     file = os.path.join(path, ".metadata")
+    if not os.path.lexists(file):
+        raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint directory")
+    fd = untrusted.open_regular(file, "checkpoint metadata file", CheckpointError, follow_links=False)
     try:
-        with open(file, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             metadata = _RestrictedUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint directory") from None
     except Exception as e:  # any malformed pickle stream: one line, never a traceback
         raise _refuse(file, f"{type(e).__name__}: {e}") from None
     _check(file, metadata)
@@ -116,9 +121,7 @@ def safe_load(state_dict: dict, path: str) -> None:
     try:
         dcp.load(state_dict, storage_reader=SafeReader(path), planner=TensorOnlyPlanner())
     except CheckpointException as e:
-        first = next(iter(e.failures.values()), e)
-        if isinstance(first, tuple):  # DCP keeps (exception, its stack summary) per failed rank
-            first = first[0]
+        first = dcp_failure(e)
         if isinstance(first, CheckpointError):
             raise first from None
         detail = (str(first).strip().splitlines() or [""])[0]
@@ -126,3 +129,12 @@ def safe_load(state_dict: dict, path: str) -> None:
             f"{path}: reading the checkpoint failed ({type(first).__name__}: {detail}); "
             "the checkpoint is damaged or incomplete: load an earlier one"
         ) from None
+
+
+def dcp_failure(e: CheckpointException) -> BaseException:
+    """The first failed rank's own exception inside DCP's ``CheckpointException``, whose message
+    is only ``CheckpointException ranks:dict_keys([0])`` and a traceback per rank."""
+    first = next(iter(e.failures.values()), e)
+    if isinstance(first, tuple):  # DCP keeps (exception, its stack summary) per failed rank
+        first = first[0]
+    return first if isinstance(first, BaseException) else e

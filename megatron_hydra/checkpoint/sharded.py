@@ -24,6 +24,8 @@ Two tensors need care:
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -32,10 +34,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hydra.checkpoint import rng, store
 from megatron_hydra.checkpoint.chunks import Chunks, Placement, SavePlanner
-from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
+from megatron_hydra.checkpoint.safe_reader import dcp_failure, read_metadata, safe_load
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
@@ -43,6 +46,8 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.fsdp import is_sharded, local_rows
 from megatron_hydra.parallel.optimizer import StatePiece
 from megatron_hydra.parallel.state import ParallelState
+
+log = logging.getLogger(__name__)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 OPTIMIZER_KEYS = ADAM_KEYS + ("main",)
@@ -298,14 +303,25 @@ def write(snap: Snapshot, group=None) -> None:
     calls it; ``None``: the default group). A background writer passes a gloo group of its own,
     so that these collectives never interleave with training's. A state holding NaN or inf is
     refused before anything is written: a diverged run never replaces a good checkpoint, nor
-    makes retention delete one."""
-    rank, final = _rank(), snap.final
+    makes retention delete one. A failed write (a full disk) is one line saying why, whatever
+    layer of DCP it surfaced in."""
+    final = snap.final
     device = torch.device("cpu") if group is not None and dist.get_backend(group) == "gloo" else snap.device
     bad = _first_problem(_nonfinite(snap.sd), device, group)
     if bad is not None:
         raise CheckpointError(f"refused to save {final}: {bad} holds NaN or inf, so nothing was written (after a "
                               "diverged run the older checkpoints are kept: resume from the newest with a lower "
                               "optim.lr)")
+    try:
+        _write_files(snap, group)
+    except CheckpointException as e:
+        raise save_failed(final, dcp_failure(e)) from None
+    except OSError as e:
+        raise save_failed(final, e) from None
+
+
+def _write_files(snap: Snapshot, group) -> None:
+    rank, final = _rank(), snap.final
     if rank == 0:
         store.prepare(final)
     _barrier(group)
@@ -320,6 +336,20 @@ def write(snap: Snapshot, group=None) -> None:
         store.write_meta(tmp, {**snap.meta, "checksums": sums})
         store.commit(final)
     _barrier(group)
+
+
+def save_failed(final: str, error: BaseException) -> CheckpointError:
+    """One line for a save of ``final`` that failed with ``error``: the system's reason (``No space
+    left on device``) rather than DCP's wrapper, and what to do about it."""
+    if isinstance(error, CheckpointError):
+        return error
+    if isinstance(error, OSError) and error.strerror:
+        why = error.strerror + (f": {error.filename}" if error.filename else "")
+    else:
+        why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free space on that disk or set checkpoint.dir to another one; " if full else ""
+    return CheckpointError(f"saving {final} failed ({why}): {fix}the older checkpoints are kept")
 
 
 def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True) -> None:
@@ -500,9 +530,16 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
 
 
 def load_rng(path: str) -> bool:
-    """Restore this rank's generator states, if the checkpoint has them for this rank."""
+    """Restore this rank's generator states, if the checkpoint has them for this rank. A file that
+    is not states ``rng.capture`` wrote (damaged, crafted, a FIFO) changes no generator: the rank
+    goes on with fresh random states, as in another layout, after a one-line warning. The states
+    only make the continuation bitwise identical; the weights and the step are already loaded."""
     file = os.path.join(path, "rng", f"rank_{_rank():05d}.pt")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):
         return False
-    rng.load(file)
+    try:
+        rng.load(file)
+    except CheckpointError as e:
+        log.warning("%s; this rank continues with fresh random states", e)
+        return False
     return True

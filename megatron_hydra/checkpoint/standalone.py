@@ -4,19 +4,26 @@ Training checkpoints are layout-free (``sharded``), so one process without any p
 read all of a checkpoint that tp x pp ranks wrote, or write one that any layout then loads. The
 checkpoint's own resolved config (``meta.json``) says what model it holds; here it is re-derived
 for a single process (tp = pp = dp = 1), keeping every model shape, so the logical tensors match.
+
+That config is data from elsewhere: it may describe a model of terabytes. So nothing is allocated
+before the checkpoint is shown to hold that model (``check_before_building``): its layer count,
+its tensors' names and shapes on the meta device, and the bytes its tensor files hold.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
+import stat
 import warnings
 from contextlib import contextmanager
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_hydra.checkpoint import plan, sharded, store
+from megatron_hydra.checkpoint.safe_reader import read_metadata
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.schema import ParallelConfig
@@ -66,11 +73,49 @@ def load_model(path: str, seq_length: Optional[int] = None,
         raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only "
                               f"{' and '.join(a.upper() for a in archs)} checkpoints load whole here")
     cfg, derived = single_process(cfg, seq_length)
+    check_before_building(path, derived)
     ps = ParallelState.single()
     model = ARCHS[cfg.model.arch].build(derived.transformer, ps)
     with _one_process():
         sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False)
     return cfg, derived, model.eval()
+
+
+def _stacked_layers(names) -> int:
+    """Blocks among logical tensor names: ``layers.3.*`` (GPT, BERT), ``encoder.3.*`` (T5), ..."""
+    return len({tuple(n.split(".")[:2]) for n in names if n.count(".") >= 2 and n.split(".")[1].isdigit()})
+
+
+def _tensor_file_bytes(path: str, metadata) -> int:
+    """The bytes of the distinct regular files DCP's metadata says the tensors are in."""
+    total = 0
+    for name in {str(info.relative_path) for info in (metadata.storage_data or {}).values()}:
+        try:
+            st = os.lstat(os.path.join(path, name))
+        except OSError:
+            continue  # missing: the checksum check names it
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def check_before_building(path: str, derived: Derived) -> None:
+    """That the checkpoint at ``path`` holds the model ``derived`` describes, before a byte of it
+    is allocated (one line otherwise): the layers the config asks for are in meta.json's shapes
+    (building even on the meta device takes time per layer), the model built on the meta device
+    has those names and shapes, and the tensor files DCP reads hold at least their bytes."""
+    tcfg = derived.transformer
+    wanted = tcfg.num_layers + ((getattr(tcfg, "num_decoder_layers", 0) or 0) if tcfg.arch == "t5" else 0)
+    recorded: Dict[str, List[int]] = store.read_meta(path)["shapes"]
+    if wanted > _stacked_layers(recorded):
+        raise CheckpointError(f"{path}: its config describes {wanted} layers but its tensors hold "
+                              f"{_stacked_layers(recorded)}: the checkpoint is damaged or crafted; refused")
+    expected = plan.logical_shapes(derived)
+    sharded.check_shapes(path, recorded, expected, True, False)
+    needed = sum(math.prod(shape) for shape in expected.values()) * tcfg.params_dtype.itemsize
+    held = _tensor_file_bytes(path, read_metadata(path))
+    if held < needed:
+        raise CheckpointError(f"{path}: its model tensors take {needed:,} bytes but its tensor files hold only "
+                              f"{held:,}: the checkpoint is damaged or crafted; refused")
 
 
 def save_model(path: str, model: torch.nn.Module, cfg: RunConfig, derived: Derived, layout: dict, step: int = 0,
