@@ -9,8 +9,8 @@ would, its ``auto`` values resolved as on the machine it is meant for (8 visible
 derived. A sweep (``-m a=1,2 b=x,y``) is checked in every combination; ``hydra/launcher`` and
 ``hydra/sweeper`` choices and their ``hydra.launcher.*``/``hydra.sweeper.*`` keys are dropped
 (plugins that need a cluster), so is a bare ``...`` ("more overrides"). Files a command names
-(``data.blend``, ``checkpoint.load``) need not exist: derive reads none. A ``--config-dir`` of
-an imported Hugging Face model gets the ``model/<name>.yaml`` the converter writes, from a small
+(``data.blend``, ``checkpoint.load``) need not exist: derive reads none. ``model=from_checkpoint``
+with ``checkpoint.load=ckpt/<family>`` gets the model an import of that family holds, from a small
 config of that family.
 
 Commands the text shows failing on purpose are listed in ``INTENDED_ERRORS`` with the key their
@@ -44,7 +44,7 @@ INTENDED_ERRORS = [
      "README, 'What happens on launch': the example of a one-line config error"),
 ]
 
-# Small configs of each family, for the model file an import writes (``--config-dir ckpt/<name>``).
+# Small configs of each family: the model ``model=from_checkpoint`` reads from an import at ``ckpt/<family>``.
 HF_CONFIGS = {
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, n_positions=128, vocab_size=512)),
     "llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -145,19 +145,19 @@ def _option(tokens: List[str], *names: str) -> Optional[int]:
     return None
 
 
-def _imported_model_dir(tmp_path: Path, config_dir: str, overrides: List[str]) -> Path:
-    """What ``convert from_hf`` writes for launch.py's ``--config-dir``: ``model/<name>.yaml``."""
-    from megatron_hydra.config import RunConfig
+def _imported_model(composed, overrides: List[str]) -> None:
+    """``model=from_checkpoint`` with ``checkpoint.load=ckpt/<family>``: the model an import of that
+    family holds, with the command's ``model.*`` overrides on top, as launch.py does."""
     from megatron_hydra.convert import api
     from megatron_hydra.convert.mapping import HFConfig
 
-    name = next(o.split("=", 1)[1] for o in overrides if o.startswith("model="))
+    name = Path(composed.checkpoint.load).name
     kind, hf = HF_CONFIGS[next(k for k in HF_CONFIGS if name.startswith(k))]
-    family = api.FAMILIES[kind]
-    out = tmp_path / config_dir
-    cfg = RunConfig(model=family.model_config(HFConfig(hf, "config.json"), name), run_dir="unused")
-    api._write_extras(str(out), cfg, kind, str(tmp_path / "hf" / name), str(tmp_path / "none"))
-    return out
+    model = OmegaConf.structured(api.FAMILIES[kind].model_config(HFConfig(hf, "config.json"), name))
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.key_or_group.startswith("model."):
+            OmegaConf.update(model, override.key_or_group[len("model."):], override.value(), merge=True)
+    composed.model = model
 
 
 def derive_command(line: str, tmp_path: Path, gpu_machine: bool = False) -> None:
@@ -166,12 +166,11 @@ def derive_command(line: str, tmp_path: Path, gpu_machine: bool = False) -> None
     command.gpu = command.gpu or gpu_machine
     register_configs()
     config_dir = str(CONF)
-    search = []
-    if command.config_dir is not None:
-        search = [f"hydra.searchpath=[file://{_imported_model_dir(tmp_path, command.config_dir, command.overrides)}]"]
     for overrides in command.combinations():
         with initialize_config_dir(config_dir=config_dir, version_base=None):
-            composed = compose(config_name="config", overrides=["run_dir=unused", *search, *overrides])
+            composed = compose(config_name="config", overrides=["run_dir=unused", *overrides])
+        if composed.model.name == "from_checkpoint":
+            _imported_model(composed, overrides)
         cfg = resolve(OmegaConf.to_object(composed), GPUS_OF_A_GPU_NODE if command.gpu else 0, command.local_ranks)
         if cfg.mode == "plan_layouts":  # plans for cfg.cluster; launcher.run asks for the batch
             assert cfg.cluster is not None and cfg.data.global_batch_size is not None, overrides
@@ -186,7 +185,7 @@ def test_the_docs_show_launch_commands_of_every_kind():
     lines = [line for _, line in COMMANDS]
     assert len(lines) > 40
     assert any(line.startswith("torchrun") for line in lines) and any(" -m " in line for line in lines)
-    assert any("--config-dir" in line for line in lines) and any("trainer=gpu" in line for line in lines)
+    assert any("model=from_checkpoint" in line for line in lines) and any("trainer=gpu" in line for line in lines)
     for fragment, _, _ in INTENDED_ERRORS:
         assert any(fragment in line for line in lines), f"{fragment!r} is no longer in the docs: drop it here"
 

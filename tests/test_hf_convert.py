@@ -95,8 +95,13 @@ CASES = [(kind, layout) for kind in ARCHS for layout in ("tp2", "pp2")] + [("mix
 
 @pytest.mark.parametrize("kind", ARCHS)
 def test_import_writes_model_config_and_tokenizer(models, kind):
+    """The model config is stored as data in meta.json (read by model=from_checkpoint); no YAML is
+    written for Hydra's config search path, since a checkpoint is never one."""
+    from megatron_hydra.checkpoint.standalone import read_config
+
     ckpt = models[kind][2]
-    assert os.path.isfile(os.path.join(ckpt, "model", f"tiny_{kind}.yaml"))
+    assert read_config(ckpt).model.name == f"tiny_{kind}"
+    assert not os.path.exists(os.path.join(ckpt, "model"))
     assert os.path.isfile(os.path.join(ckpt, "tokenizer.json")) == (kind == "gpt2")
     assert not os.path.exists(os.path.join(ckpt, "rng"))  # loads start from their own seeds
 

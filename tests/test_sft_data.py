@@ -292,7 +292,7 @@ def test_fine_tune_an_imported_gpt2_on_chat(tmp_path, env_no_launcher, capsys):
     from_hf(str(hf), str(ckpt), name="hf")
     chat = _write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "what is two plus two?", "response": "four."}] * 8)
     code = launch_py(
-        ["--config-dir", str(ckpt), "model=hf", "data=sft", f"data.path={chat}", f"checkpoint.load={ckpt}",
+        ["model=from_checkpoint", "data=sft", f"data.path={chat}", f"checkpoint.load={ckpt}",
          "checkpoint.load_optimizer=false", "data.micro_batch_size=2", "trainer.max_steps=1", "optim.warmup_steps=0",
          "trainer.enable_progress_bar=false", "trainer.generate_sample_tokens=0", f"hydra.run.dir={tmp_path / 'run'}"],
         env_no_launcher)

@@ -312,7 +312,8 @@ class CheckpointConfig:
     save_last: bool = True
     # Keep the newest this many complete checkpoints in ``dir`` (0 keeps all).
     keep_last: int = 2
-    # auto: continue from the newest complete checkpoint in ``dir`` if there is one; none: never.
+    # auto: continue from the newest complete checkpoint in ``dir`` if there is one; none: never (a
+    # new run: refused while ``dir`` holds checkpoints, docs/checkpoints.md).
     resume: str = "auto"
     # Start from this checkpoint (any layout) when ``resume`` finds none.
     load: Optional[str] = None

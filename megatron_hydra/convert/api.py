@@ -8,10 +8,18 @@ whose experts the model stacks in one parameter.
 
 Import writes a weights-only checkpoint (``checkpoint.standalone``) that any layout loads, since
 checkpoints are layout-free: ``parallel`` only checks that the model splits that way and goes
-into the printed command. Beside the tensors go ``model/<name>.yaml`` (a model config for
-``launch.py --config-dir``) and the model's ``tokenizer.json`` (with its ``tokenizer_config.json``,
-which holds the chat template) when it has one. Vocabulary tables
-are stored unpadded, as every checkpoint stores them; each run pads them to its own TP multiple.
+into the printed command. The model's config is stored in the checkpoint's ``meta.json``, which
+``launch.py model=from_checkpoint checkpoint.load=<output>`` reads as data: a checkpoint is data,
+never a Hydra config search path (a YAML file there could declare Hydra callbacks, which Hydra
+runs). Beside the tensors go the model's ``tokenizer.json`` (with its ``tokenizer_config.json``,
+which holds the chat template) when it has one: regular files only, of bounded size, and a link
+only when it stays in the model directory or, in a Hugging Face cache snapshot, leads to the
+repository's ``blobs``. Vocabulary tables are stored unpadded, as every checkpoint stores them;
+each run pads them to its own TP multiple.
+
+The weights' names and shapes are checked against ``config.json`` from the files' headers before
+the model is built (on the meta device), so a config that claims 100000 layers is one line at
+once, not minutes of building.
 
 Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
 ``transformers``' ``from_pretrained`` reads, the padding rows dropped and tied copies left out
@@ -23,19 +31,18 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
-from omegaconf import OmegaConf
 
+from megatron_hydra import untrusted
 from megatron_hydra.checkpoint import sharded, standalone
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
 from megatron_hydra.convert import bert, gpt2, hf_files, llama, mixtral, name_map, t5
 from megatron_hydra.convert.mapping import HFWeights
-from megatron_hydra.errors import ConfigError, MegatronHydraError
+from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
 from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
@@ -44,6 +51,7 @@ from megatron_hydra.parallel.state import ParallelState
 FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral)}
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_BYTES, TOKENIZER_CONFIG_BYTES = 512 * untrusted.MiB, 16 * untrusted.MiB  # far above real ones
 CORPUS_PLACEHOLDER = "path/to/corpus_text_document"  # BERT and T5 train on sentence-split data
 
 
@@ -94,14 +102,28 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     if family.ARCH != "gpt":
         cfg.data = composed.data
     _check_layout(cfg)
-    tokenizer = os.path.join(input, TOKENIZER)
-    if os.path.isfile(tokenizer):
+    extras = _model_files(input)
+    if TOKENIZER in extras:
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
     cfg, derived = standalone.single_process(cfg)
     cfg.parallel = composed.parallel  # recorded as the intended layout; loading ignores it
-    tcfg = derived.transformer
+    model = _imported_model(family, input, cfg, derived.transformer)
+    standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
+    for file_name, content in extras.items():
+        with open(os.path.join(output, file_name), "wb") as f:
+            f.write(content)
+    return _fine_tune_command(cfg, output, parallel)
+
+
+def _imported_model(family, input: str, cfg: RunConfig, tcfg) -> torch.nn.Module:
+    """The model of ``tcfg`` holding the weights of the directory ``input``. The files' names and
+    shapes are checked against the config first, from their headers alone; only then is the model
+    built (on the meta device) and given the tensors, so a config.json that claims far more than
+    its files hold costs nothing."""
+    files = hf_files.read_weights(input)
+    weights = HFWeights(files, input, files.shapes)
+    name_map.check_files(family.NAME_MAP, weights, tcfg, lambda: _first_layer(cfg))
     model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
-    weights = HFWeights(hf_files.read_weights(input), input)
     ours = name_map.import_weights(family.NAME_MAP, weights, tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size))
     state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
     params = _parameters_from_logical(model, state)
@@ -109,9 +131,65 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in params.items()}, strict=True, assign=True)
     for n, p in model.named_parameters():  # assign=True made new Parameters: give them their tags
         p.__dict__.update(tags[n])
-    standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
-    _write_extras(output, cfg, kind, input, tokenizer)
-    return _fine_tune_command(cfg, output, parallel)
+    return model
+
+
+def _first_layer(cfg: RunConfig):
+    """The model of ``cfg`` cut to one layer per stack, on the meta device, and its logical
+    shapes: what ``name_map.check_files`` compares the files' shapes with before the whole model
+    is built."""
+    first = copy.deepcopy(cfg)
+    first.model.num_layers = min(first.model.num_layers, 1)
+    if first.model.num_decoder_layers is not None:
+        first.model.num_decoder_layers = min(first.model.num_decoder_layers, 1)
+    tcfg = standalone.single_process(first)[1].transformer
+    model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
+    return tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size)
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _link_roots(directory: str) -> List[str]:
+    """Where a link in the model directory may lead: the directory itself, and, for a snapshot of
+    a Hugging Face cache (``<repo>/snapshots/<revision>/``, its files links to
+    ``../../blobs/<hash>``), that repository's ``blobs`` folder."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    repo = os.path.dirname(os.path.dirname(real))
+    if os.path.basename(os.path.dirname(real)) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        roots.append(os.path.join(repo, "blobs"))
+    return roots
+
+
+def _model_file(directory: str, name: str, limit: int) -> Optional[bytes]:
+    """The content of the file ``name`` of the model directory, or None when there is none.
+
+    A model directory comes from anyone, and what is copied from it lands in a checkpoint that may
+    be shared: so only a regular file is read, of bounded size, and a link must stay inside the
+    directory or, in a Hugging Face cache snapshot, lead to its repository's ``blobs``."""
+    path = os.path.join(directory, name)
+    if not os.path.lexists(path):
+        return None
+    target = os.path.realpath(path)
+    if not any(_within(target, root) for root in _link_roots(directory)):
+        raise CheckpointError(f"{path} is a link to {target}, outside the model directory: refused (copy the "
+                              "file itself into the model directory)")
+    return untrusted.read_bytes(path, limit, name, CheckpointError)
+
+
+def _model_files(directory: str) -> Dict[str, bytes]:
+    """The model's ``tokenizer.json`` and, beside it, its ``tokenizer_config.json`` (which holds the
+    chat template ``data=sft`` renders with), by name: what an import copies."""
+    out = {}
+    tokenizer = _model_file(directory, TOKENIZER, TOKENIZER_BYTES)
+    if tokenizer is not None:
+        out[TOKENIZER] = tokenizer
+        settings = _model_file(directory, TOKENIZER_CONFIG, TOKENIZER_CONFIG_BYTES)
+        if settings is not None:
+            out[TOKENIZER_CONFIG] = settings
+    return out
 
 
 def _parameters_from_logical(model: torch.nn.Module, logical: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -132,33 +210,20 @@ def _parameters_from_logical(model: torch.nn.Module, logical: Dict[str, torch.Te
 
 
 def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
-    """``launch.py`` continuing from the import; BERT and T5 need their sentence-split corpus
-    (``data.blend``), which the user puts in place of the placeholder."""
+    """``launch.py`` continuing from the import: ``model=from_checkpoint`` reads the model from the
+    checkpoint's own config, as data (a checkpoint is never a config search path). BERT and T5
+    need their sentence-split corpus (``data.blend``), which the user puts in place of the
+    placeholder."""
     par = cfg.parallel
     devices = par.tensor_parallel_size * par.pipeline_parallel_size
-    command = (f"python launch.py --config-dir {output} model={cfg.model.name} parallel={parallel} "
-               f"trainer.devices={devices} checkpoint.load={output} checkpoint.load_optimizer=false")
+    command = (f"python launch.py model=from_checkpoint checkpoint.load={output} checkpoint.load_optimizer=false "
+               f"parallel={parallel} trainer.devices={devices}")
     if cfg.model.arch == "gpt":
         return command
     data = f" data={cfg.data.name} data.blend=[{CORPUS_PLACEHOLDER}]"
     if cfg.data.tokenizer.type == "hf":
         data += f" data.tokenizer.type=hf data.tokenizer.path={cfg.data.tokenizer.path}"
     return command + data
-
-
-def _write_extras(output: str, cfg: RunConfig, kind: str, input: str, tokenizer: str) -> None:
-    """Beside the tensors: the model config for ``launch.py --config-dir`` and the tokenizer."""
-    os.makedirs(os.path.join(output, "model"), exist_ok=True)
-    with open(os.path.join(output, "model", f"{cfg.model.name}.yaml"), "w") as f:
-        f.write(f"# Imported from the Hugging Face {kind} model {os.path.basename(os.path.normpath(input))} "
-                "by megatron_hydra.convert.\n")
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg.model)))
-    if os.path.isfile(tokenizer):
-        shutil.copyfile(tokenizer, os.path.join(output, TOKENIZER))
-        # Its chat template, if any, is what data=sft renders conversations with.
-        settings = os.path.join(os.path.dirname(tokenizer), TOKENIZER_CONFIG)
-        if os.path.isfile(settings):
-            shutil.copyfile(settings, os.path.join(output, TOKENIZER_CONFIG))
 
 
 def _family_for(tcfg):
@@ -204,6 +269,8 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, obj
         config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     files = hf_files.write(output, config, tensors)
     if tokenizer is not None:
-        shutil.copyfile(tokenizer.path, os.path.join(output, TOKENIZER))
+        content = untrusted.read_bytes(tokenizer.path, TOKENIZER_BYTES, TOKENIZER, CheckpointError)
+        with open(os.path.join(output, TOKENIZER), "wb") as f:
+            f.write(content)
         files.append(TOKENIZER)
     return {"architecture": family.MODEL_TYPE, "files": files}

@@ -2,24 +2,29 @@
 
 Weights are read from ``model.safetensors``, a sharded ``model.safetensors.index.json``, or the
 older ``pytorch_model.bin`` (and its index), loaded with ``weights_only`` so that a file can never
-run code. They are written as safetensors, split into shards with an index once a model passes
+run code. Safetensors are read lazily: their headers give every tensor's name and shape without
+its data, so an import checks a ``config.json`` against its weights before it builds anything.
+They are written as safetensors, split into shards with an index once a model passes
 ``max_shard_bytes``, which is what ``from_pretrained`` expects of a large model.
 
 The files come from anyone, so every problem with them is one ``CheckpointError`` naming the file:
-JSON that does not parse or has the wrong shape, a truncated or damaged weights file, and an index
-that names a file outside the model directory (``../../etc/passwd``), which is refused rather than
-read. The confinement is by name, not by resolved link, so a Hugging Face cache snapshot, whose
-files are links into a sibling ``blobs`` folder, still loads.
+JSON that does not parse, is too large or too deeply nested, or has the wrong shape
+(``megatron_hydra.untrusted``); a FIFO or device where a file belongs (refused, never opened for
+reading, so it cannot block); a truncated or damaged weights file; and an index that names a file
+outside the model directory (``../../etc/passwd``), which is refused rather than read. The
+confinement is by name, not by resolved link, so a Hugging Face cache snapshot, whose files are
+links into a sibling ``blobs`` folder, still loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List
+from typing import Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
+from megatron_hydra import untrusted
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.errors import CheckpointError
 
@@ -27,15 +32,15 @@ CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PT_BIN, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+# Far above what Hugging Face writes (a config of a few KiB; an index of a few MiB for the largest
+# models), far below what would hurt to read.
+CONFIG_BYTES, INDEX_BYTES = 16 * untrusted.MiB, 64 * untrusted.MiB
 
 
-def _read_json(path: str) -> dict:
-    """The JSON object in ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{path} is not valid JSON ({e}); copy the file again") from None
+def _read_json(path: str, limit: int) -> dict:
+    """The JSON object in the regular file ``path`` of at most ``limit`` bytes (``untrusted``:
+    bounded size and nesting, so a crafted file is one line, never a hang or a traceback)."""
+    value = untrusted.load_json(path, limit, "Hugging Face JSON file", CheckpointError)
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object; copy the file again")
     return value
@@ -46,23 +51,69 @@ def read_config(directory: str) -> HFConfig:
     path = os.path.join(directory, CONFIG)
     if not os.path.isdir(directory):
         raise CheckpointError(f"input={directory}: no such directory; give a local Hugging Face model directory")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointError(f"input={directory} has no {CONFIG}: give a Hugging Face model directory "
                               "(as written by save_pretrained)")
-    return HFConfig(_read_json(path), path)
+    return HFConfig(_read_json(path, CONFIG_BYTES), path)
 
 
-def _load_file(path: str) -> Dict[str, torch.Tensor]:
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
+def _unreadable(path: str, e: BaseException) -> CheckpointError:
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(f"{path}: not a readable weights file ({why}): it is truncated, damaged or not "
+                           "weights; copy it again")
 
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors' SafetensorError, torch's RuntimeError/UnpicklingError/EOFError
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable weights file ({why}): it is truncated, damaged or not "
-                              "weights; copy it again") from None
+
+class WeightFiles(Mapping):
+    """The tensors of a model directory by their Hugging Face names, read when asked for.
+
+    ``shapes`` comes from the safetensors headers alone, so that the names and shapes a
+    ``config.json`` implies are checked before any tensor data is read or any model is built. An
+    older ``pytorch_model.bin`` has no header apart from its data: it is loaded whole (with
+    ``weights_only``)."""
+
+    def __init__(self):
+        self.shapes: Dict[str, List[int]] = {}
+        self._where: Dict[str, Tuple[str, object]] = {}  # name -> (file, safetensors handle or tensor)
+
+    def add_safetensors(self, path: str) -> None:
+        from safetensors import safe_open
+
+        os.close(untrusted.open_regular(path, "weights file", CheckpointError))  # a FIFO would block the open
+        try:
+            handle = safe_open(path, framework="pt")
+            shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        except Exception as e:  # safetensors' SafetensorError
+            raise _unreadable(path, e) from None
+        self.shapes.update(shapes)
+        self._where.update((name, (path, handle)) for name in shapes)
+
+    def add_pickle(self, path: str) -> None:
+        fd = untrusted.open_regular(path, "weights file", CheckpointError)
+        try:
+            with os.fdopen(fd, "rb") as f:
+                tensors = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch's RuntimeError/UnpicklingError/EOFError
+            raise _unreadable(path, e) from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise CheckpointError(f"{path}: holds no state dict (a mapping of names to tensors): it is not "
+                                  "a model's weights; copy it again")
+        self.shapes.update((str(name), list(t.shape)) for name, t in tensors.items())
+        self._where.update((str(name), (path, t)) for name, t in tensors.items())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, source = self._where[name]
+        if isinstance(source, torch.Tensor):
+            return source
+        try:
+            return source.get_tensor(name)
+        except Exception as e:
+            raise _unreadable(path, e) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def inside(directory: str, name: object, source: str) -> str:
@@ -80,30 +131,30 @@ def inside(directory: str, name: object, source: str) -> str:
 
 def _shard_files(directory: str, index_name: str) -> List[str]:
     index = os.path.join(directory, index_name)
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = _read_json(index, INDEX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no \"weight_map\" object; copy the file again")
     files = sorted({inside(directory, name, index) for name in weight_map.values()})
     for path in files:
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise CheckpointError(f"{index} names {os.path.relpath(path, directory)}, which is missing: "
                                   "copy the whole model directory")
     return files
 
 
-def read_weights(directory: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of the model directory by its Hugging Face name."""
+def read_weights(directory: str) -> WeightFiles:
+    """Every tensor of the model directory by its Hugging Face name (read when first asked for)."""
     for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PT_BIN, PT_INDEX)):
-        if os.path.isfile(os.path.join(directory, single)):
+        if os.path.lexists(os.path.join(directory, single)):
             files = [os.path.join(directory, single)]
-        elif os.path.isfile(os.path.join(directory, index)):
+        elif os.path.lexists(os.path.join(directory, index)):
             files = _shard_files(directory, index)
         else:
             continue
-        tensors: Dict[str, torch.Tensor] = {}
+        weights = WeightFiles()
         for path in files:
-            tensors.update(_load_file(path))
-        return tensors
+            (weights.add_safetensors if path.endswith(".safetensors") else weights.add_pickle)(path)
+        return weights
     raise CheckpointError(f"input={directory} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, "
                           f"{PT_BIN} or {PT_INDEX}")
 

@@ -12,7 +12,8 @@ the two; each pair is exact inverses (pure reshapes and concatenations).
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,9 +59,10 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 class HFConfig(dict):
-    """A ``config.json`` whose values are checked where they are read: a missing key or a value of
-    the wrong type is one ``CheckpointError`` naming the file and the key, not a ``KeyError`` or a
-    ``TypeError`` deep in model building."""
+    """A ``config.json`` whose values are checked where they are read: a missing key, a value of
+    the wrong type, or a number that is not finite (JSON's ``NaN`` and ``Infinity``, which Python's
+    parser accepts) is one ``CheckpointError`` naming the file and the key, not a ``KeyError``, a
+    ``TypeError`` deep in model building, or a model that trains on NaN."""
 
     def __init__(self, values: dict, path: str):
         super().__init__(values)
@@ -76,34 +78,45 @@ class HFConfig(dict):
                                       "the file is incomplete; copy it again")
             return default
         if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
+            v = float(v)  # an integer written where a number is meant (1e6 as 1000000)
         if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
             raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} should be {_KINDS[kind]}: fix the value "
                                   "or copy the file again")
+        if kind is float and not math.isfinite(v):  # JSON's NaN / Infinity, or 1e999
+            raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} is not a finite number: fix the value or "
+                                  "copy the file again")
         return v
 
 
 class HFWeights:
     """A Hugging Face state dict that hands out each tensor once, after checking its shape, so a
-    config.json that does not match its weights fails in one line naming the tensor."""
+    config.json that does not match its weights fails in one line naming the tensor. ``shapes``
+    (every tensor's shape, by name) lets ``check`` run before any tensor is read: ``tensors`` may
+    read lazily (``hf_files.WeightFiles``)."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], source: str):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], source: str,
+                 shapes: Optional[Mapping[str, Sequence[int]]] = None):
         self.tensors, self.source, self.used = tensors, source, set()
+        self.shapes = shapes if shapes is not None else {n: list(t.shape) for n, t in tensors.items()}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.shapes
 
-    def take(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        if name not in self.tensors:
+    def check(self, name: str, shape: Sequence[int]) -> None:
+        """Tensor ``name`` exists with ``shape``; nothing is read."""
+        if name not in self.shapes:
             raise CheckpointError(f"input={self.source} has no tensor {name}, which its config.json implies: "
                                   "the weights and config.json do not belong together")
-        t = self.tensors[name]
-        if list(t.shape) != list(shape):
-            raise CheckpointError(f"input={self.source}: tensor {name} has shape {list(t.shape)} but config.json "
-                                  f"implies {list(shape)}: the weights and config.json do not belong together")
+        if list(self.shapes[name]) != list(shape):
+            raise CheckpointError(f"input={self.source}: tensor {name} has shape {list(self.shapes[name])} but "
+                                  f"config.json implies {list(shape)}: the weights and config.json do not belong "
+                                  "together")
+
+    def take(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        self.check(name, shape)
         self.used.add(name)
-        return t
+        return self.tensors[name]
 
-    def unused(self, ignore: Tuple[str, ...] = ()) -> List[str]:
-        return sorted(n for n in self.tensors if n not in self.used and not n.endswith(ignore))
-
+    def unused(self, ignore: Tuple[str, ...] = (), used: Optional[set] = None) -> List[str]:
+        used = self.used if used is None else used
+        return sorted(n for n in self.shapes if n not in used and not n.endswith(ignore))

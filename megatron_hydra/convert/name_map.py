@@ -10,7 +10,9 @@ the two directions cannot drift apart.
 
 The Hugging Face shapes that an import checks are written nowhere: they are our model's logical
 shapes sent through the export direction on the meta device, so a ``config.json`` that does not
-match its weights still fails in one line naming the tensor.
+match its weights still fails in one line naming the tensor. ``check_files`` does this from the
+files' headers before the model is built, with the shapes of a one-layer model: a config that
+claims far more layers or experts than its files hold costs nothing to refuse.
 """
 
 from __future__ import annotations
@@ -77,13 +79,20 @@ class Rule:
 
     def instances(self, cfg: TransformerConfig) -> Iterator[Tuple[str, Tuple[str, ...]]]:
         """(our name, their names) for every layer (and expert) this rule covers in ``cfg``."""
+        for _, ours, theirs in self.indexed(cfg):
+            yield ours, theirs
+
+    def indexed(self, cfg: TransformerConfig) -> Iterator[Tuple[str, str, Tuple[str, ...]]]:
+        """(our name in the first layer, our name, their names), lazily: a config may claim more
+        layers than any file holds."""
         if not self.when(cfg):
             return
         theirs = (self.theirs,) if isinstance(self.theirs, str) else self.theirs
         layers = range(getattr(cfg, self.per)) if self.per is not None else [None]
         experts = range(cfg.moe.num_experts) if "{e}" in self.ours else [None]
         for i, e in itertools.product(layers, experts):
-            yield _fill(self.ours, i, e), tuple(_fill(t, i, e) for t in theirs)
+            first = _fill(self.ours, None if i is None else 0, e)
+            yield first, _fill(self.ours, i, e), tuple(_fill(t, i, e) for t in theirs)
 
 
 def _fill(name: str, layer: Optional[int], expert: Optional[int]) -> str:
@@ -115,17 +124,52 @@ def _their_shapes(rule: Rule, ours: str, shapes: Dict[str, List[int]], cfg: Tran
     return [list(t.shape) for t in rule.transform.to_theirs(meta, cfg)]
 
 
+def _their_name(name_map: NameMap, weights: HFWeights) -> Callable[[str], str]:
+    """A name of the table as the files spell it: without ``optional_prefix`` in a bare model's."""
+    prefix = name_map.optional_prefix
+    bare = bool(prefix) and not any(n.startswith(prefix) for n in weights.shapes)
+    return lambda name: name[len(prefix):] if bare and name.startswith(prefix) else name
+
+
+def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
+                first_layer: Callable[[], Tuple[TransformerConfig, Dict[str, List[int]]]]) -> None:
+    """Before the model of ``cfg`` is built: the files hold every tensor its config implies, in its
+    shape, and nothing else (``name_map.ignored`` aside); only names and shapes are looked at.
+
+    Names are walked lazily, so a ``config.json`` that claims 100000 layers (or experts) over files
+    that hold two fails at the third, before anything of that size is built. The shapes then come
+    from ``first_layer()``: the same model cut to one layer per stack and its logical shapes, since
+    every layer of an imported family has the same shapes."""
+    hf = _their_name(name_map, weights)
+    for rule in name_map.rules:
+        for _, _, theirs in rule.indexed(cfg):
+            for name in theirs:
+                if not rule.tied and hf(name) not in weights:
+                    weights.check(hf(name), ())  # the one-line error that names the missing tensor
+    first, first_shapes = first_layer()
+    seen, expected = set(), {}
+    for number, rule in enumerate(name_map.rules):
+        for mine, _, theirs in rule.indexed(cfg):
+            if (number, mine) not in expected:
+                if mine not in first_shapes:
+                    raise CheckpointError(f"input={weights.source}: converted tensor {mine} has no place in the model")
+                expected[number, mine] = _their_shapes(rule, mine, first_shapes, first)
+            for name, shape in zip(theirs, expected[number, mine]):
+                if not rule.tied or hf(name) in weights:
+                    weights.check(hf(name), shape)
+                    seen.add(hf(name))
+    leftover = weights.unused(name_map.ignored, used=seen)
+    if leftover:
+        raise CheckpointError(f"input={weights.source}: tensor {leftover[0]} has no place in a {name_map.family} "
+                              "model of this config; this variant is not supported")
+
+
 def import_weights(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
                    shapes: Dict[str, List[int]]) -> Dict[str, torch.Tensor]:
     """Our logical tensors (vocabulary unpadded) from a Hugging Face state dict, for the model
     whose logical tensors are ``shapes``. Every tensor of the model must come from the table, and
     every tensor of the files must go into it (``name_map.ignored`` aside)."""
-    source, prefix = weights.source, name_map.optional_prefix
-    bare = bool(prefix) and not any(n.startswith(prefix) for n in weights.tensors)
-
-    def hf(name: str) -> str:
-        return name[len(prefix):] if bare and name.startswith(prefix) else name
-
+    source, hf = weights.source, _their_name(name_map, weights)
     out: Dict[str, torch.Tensor] = {}
     for rule in name_map.rules:
         for ours, theirs in rule.instances(cfg):
