@@ -21,11 +21,12 @@ CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 
           "n_positions": POSITIONS, "vocab_size": VOCAB, "n_inner": None}
 
 
-def _gpt2_tensors():
+def gpt2_tensors(layers: int = LAYERS):
+    """Random GPT-2 tensors of the tiny config (shared by the import trust tests)."""
     gen = torch.Generator().manual_seed(0)
     shapes = {"transformer.wte.weight": [VOCAB, H], "transformer.wpe.weight": [POSITIONS, H],
               "transformer.ln_f.weight": [H], "transformer.ln_f.bias": [H]}
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"transformer.h.{i}."
         shapes.update({p + "ln_1.weight": [H], p + "ln_1.bias": [H], p + "ln_2.weight": [H], p + "ln_2.bias": [H],
                        p + "attn.c_attn.weight": [H, 3 * H], p + "attn.c_attn.bias": [3 * H],
@@ -40,7 +41,7 @@ def hf_dir(tmp_path):
     from megatron_hydra.convert import hf_files
 
     path = tmp_path / "tiny"
-    hf_files.write(str(path), CONFIG, _gpt2_tensors())
+    hf_files.write(str(path), CONFIG, gpt2_tensors())
     return path
 
 
@@ -99,7 +100,7 @@ def test_index_cannot_point_outside_the_model_directory(hf_dir, tmp_path, capsys
     (tmp_path / "secret").mkdir()
     shutil.move(str(hf_dir / "model.safetensors"), str(tmp_path / "secret" / "model.safetensors"))
     name = str(tmp_path / "secret" / "model.safetensors") if name == "ABSOLUTE" else name
-    index = {"metadata": {}, "weight_map": {k: name for k in _gpt2_tensors()}}
+    index = {"metadata": {}, "weight_map": {k: name for k in gpt2_tensors()}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     err = _refused(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'ckpt'}"], capsys)
     assert "model.safetensors.index.json names" in err and "outside" in err and "refused" in err
@@ -110,7 +111,7 @@ def test_index_file_names_inside_the_directory_load(hf_dir, tmp_path, capsys):
     """Sub-folders and ``./`` stay allowed: confinement refuses only what leaves the directory."""
     (hf_dir / "shards").mkdir()
     shutil.move(str(hf_dir / "model.safetensors"), str(hf_dir / "shards" / "all.safetensors"))
-    index = {"metadata": {}, "weight_map": {k: "./shards/x/../all.safetensors" for k in _gpt2_tensors()}}
+    index = {"metadata": {}, "weight_map": {k: "./shards/x/../all.safetensors" for k in gpt2_tensors()}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     code, err = _convert(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'ckpt'}"], capsys)
     assert code == 0, err

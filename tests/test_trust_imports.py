@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import launch_py
+from test_hf_trust import gpt2_tensors
 
 pytest.importorskip("safetensors")
 
@@ -30,26 +31,12 @@ LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": 16, "num_
          "num_attention_heads": 2, "vocab_size": VOCAB}
 
 
-def _gpt2_tensors(layers: int = 1):
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"transformer.wte.weight": [VOCAB, H], "transformer.wpe.weight": [POSITIONS, H],
-              "transformer.ln_f.weight": [H], "transformer.ln_f.bias": [H]}
-    for i in range(layers):
-        p = f"transformer.h.{i}."
-        shapes.update({p + "ln_1.weight": [H], p + "ln_1.bias": [H], p + "ln_2.weight": [H], p + "ln_2.bias": [H],
-                       p + "attn.c_attn.weight": [H, 3 * H], p + "attn.c_attn.bias": [3 * H],
-                       p + "attn.c_proj.weight": [H, H], p + "attn.c_proj.bias": [H],
-                       p + "mlp.c_fc.weight": [H, 4 * H], p + "mlp.c_fc.bias": [4 * H],
-                       p + "mlp.c_proj.weight": [4 * H, H], p + "mlp.c_proj.bias": [H]})
-    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
-
-
 @pytest.fixture
 def hf_dir(tmp_path):
     from megatron_hydra.convert import hf_files
 
     path = tmp_path / "tiny"
-    hf_files.write(str(path), GPT2, _gpt2_tensors())
+    hf_files.write(str(path), GPT2, gpt2_tensors())
     return path
 
 
@@ -119,7 +106,7 @@ def test_weights_shaped_otherwise_are_refused_from_the_headers(hf_dir, tmp_path,
 
     from megatron_hydra.convert import api, hf_files
 
-    tensors = _gpt2_tensors(layers=3)
+    tensors = gpt2_tensors(layers=3)
     tensors["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(H, 3 * H)
     hf_files.write(str(hf_dir), {**GPT2, "n_layer": 3}, tensors)
     built = []
@@ -218,7 +205,7 @@ def test_tokenizer_links_inside_the_directory_or_into_hf_cache_blobs_are_copied(
 
     repo = tmp_path / "hub" / "models--org--tiny"
     source = tmp_path / "plain"
-    hf_files.write(str(source), GPT2, _gpt2_tensors())
+    hf_files.write(str(source), GPT2, gpt2_tensors())
     (repo / "blobs").mkdir(parents=True)
     snapshot = repo / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
