@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_hydra.config import register_configs
-from megatron_hydra.errors import ConfigError, MegatronHydraError
+from megatron_hydra.errors import ConfigError, MegatronHydraError, one_line
 
 register_configs()
 _CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # hydra.main's config_path
@@ -88,11 +88,11 @@ def main(cfg: DictConfig) -> Optional[float]:
         sys.exit(e.exit_code)
     except MegatronHydraError as e:
         if job_dir is None:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {one_line(e)}", file=sys.stderr)
             sys.exit(1 if isinstance(e, WorkerFailed) else 2)
         # A failed trial, not a failed sweep. Its objective is the worst loss, inf: Optuna refuses
         # NaN (it would end the sweep) and ranks inf last.
-        print(f"error: job {job_dir} failed: {e}", file=sys.stderr)
+        print(f"error: job {job_dir} failed: {one_line(e)}", file=sys.stderr)
         _failed.append(job_dir)
         return float("inf")
 
@@ -159,6 +159,9 @@ def cli() -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C while Hydra composes, before the launcher owns the signal
+        print("error: stopped by SIGINT before the run started: nothing was saved", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - sorted into user errors (one line) and the rest (raised)
         line = None if full_error else _hydra_error_line(exc)
         if line is None:

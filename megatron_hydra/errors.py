@@ -18,3 +18,15 @@ class DataError(MegatronHydraError):
 
 class CheckpointError(MegatronHydraError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The line to show for ``exc``. One of ours raised in a DataLoader worker process reaches the
+    main process re-raised by torch with the worker's whole traceback as its message ("Caught
+    DataError in DataLoader worker process 0. Original Traceback ..."); its last line holds ours."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if isinstance(exc, MegatronHydraError) and len(lines) > 1 and lines[0].startswith("Caught "):
+        return lines[-1].split(f"{type(exc).__name__}: ", 1)[-1]
+    return lines[0] if not isinstance(exc, MegatronHydraError) else " ".join(lines)

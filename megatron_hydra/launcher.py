@@ -16,7 +16,11 @@ with fewer visible GPUs than local ranks; ``mode=plan`` prints that plan and sta
 Process lifecycle (``megatron_hydra.lifecycle``): the run directory and ``checkpoint.dir`` are
 checked writable and locked before any worker starts; spawned workers die with this process. The
 first SIGTERM or SIGINT (Ctrl-C) is forwarded to the workers as SIGTERM, so that they save at the
-next step boundary and stop; a second one kills them at once (``Interrupted``).
+next step boundary and stop; a second one kills them at once (``Interrupted``). A one-process run
+trains in this process and behaves the same: the first signal saves at the next step boundary, a
+second one ends the run where it is, and an error that is not one of ours is reported as a failed
+rank (``WorkerFailed``, its traceback in ``rank0.error``). A Ctrl-C before any of that (while the
+config is checked or the data prepared) is ``Interrupted`` too: one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import signal
 import sys
 import threading
 import uuid
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
@@ -278,21 +282,55 @@ class _StopRequests:
     next step boundary and stops, and the launcher ends with status 0 once they have. A second
     one kills them at once.
 
-    SIGTERM and SIGINT stay blocked in the spawning (main) thread while the workers start: they
-    inherit the blocked mask through exec, so a stop request that arrives while they are still
-    importing stays pending until they can act on it. A helper thread keeps them unblocked, so the
-    kernel always has a thread to deliver them to; Python then runs the handler in the main thread."""
+    Spawned workers: SIGTERM and SIGINT stay blocked in the spawning (main) thread while the
+    workers start: they inherit the blocked mask through exec, so a stop request that arrives while
+    they are still importing stays pending until they can act on it. A helper thread keeps them
+    unblocked, so the kernel always has a thread to deliver them to; Python then runs the handler in
+    the main thread.
+
+    A one-process run (``in_process``) is the same conversation inside one process: a request sets
+    the checkpoint callback's flag (``checkpointing.request_stop``), this handler keeps SIGTERM while
+    training (``checkpointing.launcher_keeps_stop_signals``; Lightning would exit mid-step, and would
+    turn a KeyboardInterrupt into status 1 without a save), and a second signal raises
+    ``lifecycle.StopAtOnce`` where the run is, as SIGKILL ends a spawned worker where it is."""
 
     STOP = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, in_process: bool = False):
         self.received: List[int] = []
+        self.in_process = in_process
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        handlers = {signal.SIGUSR1: _forward_to_workers, signal.SIGUSR2: _forward_to_workers,
+        with ExitStack() as stack:
+            if self.in_process:
+                from megatron_hydra.training import checkpointing
+
+                self._forward = checkpointing.request_stop
+                stack.enter_context(checkpointing.launcher_keeps_stop_signals(self._on_stop))
+            else:
+                self._forward = _forward_to_workers
+            stack.enter_context(self._handlers())
+            if not self.in_process:
+                stack.enter_context(self._blocked_in_main_thread())
+            yield
+
+    @contextmanager
+    def _handlers(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set them
+            yield
+            return
+        handlers = {signal.SIGUSR1: self._forward, signal.SIGUSR2: self._forward,
                     signal.SIGTERM: self._on_stop, signal.SIGINT: self._on_stop}
         previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextmanager
+    def _blocked_in_main_thread(self) -> Iterator[None]:
         done = threading.Event()
         receiver = threading.Thread(target=self._receive, args=(done,), name="stop-signals", daemon=True)
         receiver.start()
@@ -303,8 +341,6 @@ class _StopRequests:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             done.set()
             receiver.join()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def _receive(self, done: threading.Event) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.STOP)
@@ -314,9 +350,11 @@ class _StopRequests:
         self.received.append(signum)
         name = signal.Signals(signum).name
         if len(self.received) == 1:
-            print(f"{name}: every rank saves a checkpoint at the next step boundary and stops "
-                  f"(send {name} again to stop at once, without saving)", file=sys.stderr, flush=True)
-            _forward_to_workers(signal.SIGTERM, frame)
+            _notice(f"{name}: every rank saves a checkpoint at the next step boundary and stops "
+                    f"(send {name} again to stop at once, without saving)")
+            self._forward(signal.SIGTERM, frame)
+        elif self.in_process:
+            raise lifecycle.StopAtOnce(signum)
         else:
             _forward_to_workers(signal.SIGKILL, frame)
 
@@ -326,10 +364,20 @@ class _StopRequests:
             return
         name = signal.Signals(self.received[-1]).name
         if len(self.received) > 1:
-            raise Interrupted(f"stopped at once by a second {name}: workers killed without saving (the newest "
-                              "complete checkpoint is kept; resume with checkpoint.resume=auto)", self.received[-1])
+            raise Interrupted(f"stopped at once by a second {name} (the newest complete checkpoint is kept; "
+                              "resume with checkpoint.resume=auto)", self.received[-1])
         raise Interrupted(f"stopped by {name} before every rank could save (e.g. during start-up): no checkpoint "
                           "written by this run", self.received[-1])
+
+
+def _notice(line: str) -> None:
+    """One line to stderr from a signal handler, written to the file descriptor itself: the
+    handler may run while the main thread is inside a write to ``sys.stderr`` (the progress bar, a
+    log line), and a buffered stream refuses such a reentrant call with an exception."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def _forward_to_workers(signum, frame) -> None:
@@ -416,6 +464,13 @@ def run(cfg: RunConfig) -> Optional[float]:
     """Validate, then train with this process as a worker or with spawned local workers. Returns
     the final validation loss (the objective of a sweep) where this process can see the run end:
     always when it spawned the workers, on rank 0 of a submitit job; None without validation."""
+    try:
+        return _run(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers took SIGINT (config checks, data preparation)
+        raise Interrupted("stopped by SIGINT before training started: nothing was saved", signal.SIGINT) from None
+
+
+def _run(cfg: RunConfig) -> Optional[float]:
     external = detect_external()
     cfg = resolve_for_machine(cfg, external)
     if cfg.mode == "plan_layouts":
@@ -446,6 +501,30 @@ def run(cfg: RunConfig) -> Optional[float]:
         return _run_locked(cfg, derived, external)
 
 
+def _run_in_process(cfg: RunConfig, derived: Derived) -> None:
+    """The only rank of a one-process run, in this process (a fresh port per run, so multirun jobs
+    never meet a stale store). It stops and fails as a spawned rank does: a first SIGTERM/SIGINT
+    saves at the next step boundary, a second one is ``Interrupted``, and an error that is not one
+    of ours is ``WorkerFailed``, with its traceback in ``rank0.error`` rather than on the terminal."""
+    from megatron_hydra.training.worker import run_worker, write_error_file
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+    clear_error_files(cfg.run_dir)
+    stops = _StopRequests(in_process=True)
+    try:
+        with stops.installed():
+            run_worker(cfg, derived, local_rank=0, local_world_size=1)
+    except lifecycle.StopAtOnce:
+        stops.raise_if_stopped()
+        raise
+    except MegatronHydraError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as a spawned rank's failure is, in one line
+        write_error_file(cfg.run_dir, 0, exc)
+        raise WorkerFailed(f"rank 0 failed: {failure_summary(cfg.run_dir, 0, 1)}") from None
+
+
 def _run_locked(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunch]) -> Optional[float]:
     from megatron_hydra.training.worker import run_worker, run_worker_and_exit
 
@@ -463,11 +542,7 @@ def _run_locked(cfg: RunConfig, derived: Derived, external: Optional[ExternalLau
             os._exit(0)
         return final_validation_loss(cfg.run_dir) if external.rank == 0 else None
     if derived.world_size == 1:
-        # In this process; a fresh port per run, so multirun jobs never meet a stale store.
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1")
-        run_worker(cfg, derived, local_rank=0, local_world_size=1)
+        _run_in_process(cfg, derived)
         return final_validation_loss(cfg.run_dir)
     _spawn_local(cfg, derived, config_path)
     return final_validation_loss(cfg.run_dir)

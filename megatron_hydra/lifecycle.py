@@ -10,6 +10,8 @@
   no orphan trains on, saves or prunes after that.
 - **Writable directories.** Checked before any worker starts, so an unwritable ``checkpoint.dir``
   is not found at the first save, after hours of training.
+- **Stopping at once.** A one-process run trains in its launcher's process, so a second stop
+  signal cannot kill a worker there: it raises ``StopAtOnce`` instead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ PR_SET_PDEATHSIG = 1
 # The launcher's pid, handed to its workers: the parent-death signal is armed after the worker has
 # started, so a launcher that died in between is found by comparing it with os.getppid().
 LAUNCHER_PID_ENV = "MEGATRON_HYDRA_LAUNCHER_PID"
+
+
+class StopAtOnce(BaseException):
+    """A second SIGTERM/SIGINT to a run that trains in this process: leave now, without saving.
+    A BaseException like KeyboardInterrupt, so that no ``except Exception`` on the way (a logging
+    handler's, a retry loop's) swallows it; not a KeyboardInterrupt, which Lightning turns into
+    ``sys.exit(1)``. The launcher reports it as ``Interrupted``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def check_writable(path: str, key: str) -> None:

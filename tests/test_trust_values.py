@@ -250,3 +250,27 @@ def test_deep_gpt2_vocab_is_one_line(tmp_path):
     with pytest.raises(DataError) as info:
         build_tokenizer(TokenizerConfig(type="gpt2_bpe", path=str(tmp_path)))
     assert _one_line(info).startswith(str(tmp_path / "vocab.json"))
+
+
+def test_our_error_raised_in_a_dataloader_worker_is_still_one_line(tmp_path):
+    """torch re-raises a DataLoader worker's exception with the worker's traceback as its message;
+    the launcher and rank<N>.error still show our one line."""
+    import sys
+
+    import torch.utils.data._utils.worker  # noqa: F401 - ExceptionWrapper's home on every torch 2.x
+    from torch._utils import ExceptionWrapper
+
+    from megatron_hydra.errors import one_line
+    from megatron_hydra.training.worker import write_error_file
+
+    try:
+        raise DataError("data/x.bin: sequence 3 holds token id 9 >= the model's vocabulary size 8")
+    except DataError:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(DataError) as err:
+        wrapped.reraise()
+    assert len(str(err.value).splitlines()) > 3  # what torch hands over
+    line = "data/x.bin: sequence 3 holds token id 9 >= the model's vocabulary size 8"
+    assert one_line(err.value) == line
+    assert write_error_file(str(tmp_path), 0, err.value) == line
+    assert (tmp_path / "rank0.error").read_text().splitlines()[0] == line

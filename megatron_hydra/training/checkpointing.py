@@ -28,6 +28,12 @@ copied to host memory (``checkpoint.async_save``); a background thread writes it
 its collectives on a gloo process group that every rank creates when training starts, apart from
 training's groups. ``last_saved`` is the step of the newest save started; the next save, the end of
 training (before a requeue), and teardown wait for the one in flight, and raise its failure.
+
+A one-process run trains inside its launcher's process (``launcher``), whose handler keeps SIGTERM
+and SIGINT for the whole run (``launcher_keeps_stop_signals``): it prints the notice, records the
+request here, and raises ``lifecycle.StopAtOnce`` on a second signal, which ends the run where it
+is. A save in flight is still finished (``on_exception``): a thread left writing while the process
+exits can abort the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ import logging
 import os
 import signal
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -55,6 +62,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Sent ahead of a time limit (sbatch --signal, submitit's signal_delay_s): save, then requeue.
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 _stop_requested: List[int] = []
+_launcher_handler: Optional[Callable] = None  # see ``launcher_keeps_stop_signals``
 
 
 def set_resumed_step(trainer: pl.Trainer, step: int) -> None:
@@ -78,13 +86,32 @@ def request_stop(signum, frame) -> None:
     _stop_requested.append(signum)
 
 
+@contextmanager
+def launcher_keeps_stop_signals(handler: Callable) -> Iterator[None]:
+    """For a run that trains in its launcher's process: SIGTERM stays with the launcher's
+    ``handler`` while training too (it counts signals and calls ``request_stop``), and this run's
+    stop requests count from here, so one that arrives while the model is built is answered with
+    a save at the first step boundary, as a spawned worker answers a held SIGTERM."""
+    global _launcher_handler
+    _stop_requested.clear()
+    _launcher_handler = handler
+    try:
+        yield
+    finally:
+        _launcher_handler = None
+        _stop_requested.clear()
+
+
 def install_stop_handlers() -> dict:
     """Make SIGTERM/SIGUSR1/SIGUSR2 request a save-and-stop; returns the handlers they replaced. Installed
     once training has started, i.e. over Lightning's own SIGTERM handler, which would otherwise
-    exit at an arbitrary point of the step (before or after our save)."""
-    _stop_requested.clear()
+    exit at an arbitrary point of the step (before or after our save). Requests made before are
+    kept: a spawned worker's held SIGTERM, or one its launcher recorded in this process."""
+    handlers = {s: request_stop for s in STOP_SIGNALS}
+    if _launcher_handler is not None:
+        handlers[signal.SIGTERM] = _launcher_handler
     try:
-        return {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
+        return {s: signal.signal(s, h) for s, h in handlers.items()}
     except ValueError:  # not the main thread: leave signals alone
         return {}
 
@@ -131,7 +158,8 @@ class CheckpointCallback(pl.Callback):
         restored = same_layout and sharded.load_rng(path)
         self.last_saved = step
         log.info("resumed from %s at step %d (%s)", path, step,
-                 "random states restored" if restored else "another layout: fresh random states")
+                 "random states restored" if restored
+                 else "fresh random states" if same_layout else "another layout: fresh random states")
 
     # Save ------------------------------------------------------------------------------------
     def _agree_to_stop(self, device: torch.device) -> float:
@@ -176,11 +204,17 @@ class CheckpointCallback(pl.Callback):
         if self.stopped_by_signal:
             log.info("stop requested by signal: saved step %d, stopping (resume with checkpoint.resume=auto)",
                      trainer.global_step)
+        self._restore_handlers()  # before Lightning restores the handlers it replaced, not after
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _restore_handlers(self) -> None:
+        """The signal handlers from before training; this run's stop requests are spent."""
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
+        _stop_requested.clear()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_handlers()
         self.wait()
         if self._group is not None:
             dist.destroy_process_group(self._group)
@@ -191,6 +225,7 @@ class CheckpointCallback(pl.Callback):
         holds good state, so it is finished rather than left half written. Lightning calls no
         ``teardown`` hook of a callback after an exception, hence here. A failure of that save is
         logged; the training failure is what the run reports."""
+        self._restore_handlers()
         try:
             self.wait()
         except CheckpointError as e:
@@ -235,5 +270,5 @@ class CheckpointCallback(pl.Callback):
         """Write, then (rank 0) retention: on the background thread when ``async_save``."""
         sharded.write(snap, self._group)
         if self.ps.rank == 0:
-            pruned = store.prune(self.dir, self.cfg.checkpoint.keep_last)
+            pruned = store.prune(self.dir, self.cfg.checkpoint.keep_last, snap.final)
             log.info("saved checkpoint %s%s", snap.final, f" (removed {len(pruned)} older)" if pruned else "")

@@ -6,8 +6,8 @@ A GPU rank makes its own GPU current before the process group exists and before 
 ``python -m megatron_hydra.training.worker CONFIG`` is what the local launcher spawns per rank;
 torchrun/SLURM workers and single-process runs call ``run_worker`` directly. A worker that fails
 writes ``rank<N>.error`` into the run dir (one line, then the traceback) so the launcher can name
-the error without a wall of tracebacks; a stale one from an earlier run in the same directory is
-removed when the rank starts.
+the error without a wall of tracebacks (a one-process run's launcher writes it for its rank); a
+stale one from an earlier run in the same directory is removed when the rank starts.
 
 A spawned worker dies with its launcher (``lifecycle.die_with_parent``). A SIGTERM that arrives
 before training has started (the launcher spawns workers with it blocked, so it waits even through
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_hydra import lifecycle
 from megatron_hydra.config import Derived, RunConfig, derive
-from megatron_hydra.errors import MegatronHydraError
+from megatron_hydra.errors import MegatronHydraError, one_line
 from megatron_hydra.parallel import device
 
 
@@ -101,15 +101,19 @@ def _clear_error_file(run_dir: str, rank: int) -> None:
         pass
 
 
-def _report(run_dir: str, rank: int, exc: BaseException) -> None:
-    if isinstance(exc, MegatronHydraError):
-        line = str(exc)
-    else:
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+def write_error_file(run_dir: str, rank: int, exc: BaseException) -> str:
+    """``rank<N>.error``: the one line a launcher reports, then the traceback, which stays out of
+    the terminal. Returns the line."""
+    line = one_line(exc) if isinstance(exc, MegatronHydraError) else f"{type(exc).__name__}: {one_line(exc)}"
     os.makedirs(run_dir, exist_ok=True)
     with open(error_file(run_dir, rank), "w") as f:
         f.write(line + "\n")
         f.write("".join(traceback.format_exception(exc)))
+    return line
+
+
+def _report(run_dir: str, rank: int, exc: BaseException) -> None:
+    line = write_error_file(run_dir, rank, exc)
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
 
