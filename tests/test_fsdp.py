@@ -2,7 +2,7 @@
 step, and holds 1/dp of the parameters.
 
 Each layout runs its steps through the real module, strategy and optimizer without a Trainer
-(``StepThrough``), so that one spawned group can run several layouts in sequence; the reference
+(``training.step.TrainStep``), so that one spawned group can run several layouts in sequence; the reference
 is the single process with the ``ddp`` path (``data_parallel=ddp``, no process group)."""
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _run(overrides, ps_from=None, steps: int = STEPS):
     from megatron_hydra.parallel.random import seed_model_parallel
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
-    from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
+    from megatron_hydra.training.step import TrainStep
+    from megatron_hydra.training.strategy import MegatronStrategy
 
     cfg = compose_config([*SMALL, "precision=fp64", *overrides])
     d = derive(cfg)
@@ -51,15 +52,14 @@ def _run(overrides, ps_from=None, steps: int = STEPS):
     strategy = MegatronStrategy(ps, torch.device("cpu"), grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 data_parallel=cfg.parallel.data_parallel)
     strategy.connect(module)
-    strategy._setup_model(module)
+    strategy.wrap_model(module)
     optimizer = module.build_optimizer(strategy.grad_buffer)
-    stepper = StepThrough(optimizer, strategy)
+    train_step = TrainStep(module, optimizer)
     local = d.global_batch_size // d.dp
     out = []
     for step in range(steps):
-        loss, _, _ = module.optimizer_step_over(_batch(local, cfg.model.seq_length, ps.dp_rank * local),
-                                                strategy, stepper, step)
-        out.append((float(loss), float(strategy.last_grad_norm)))
+        result = train_step(_batch(local, cfg.model.seq_length, ps.dp_rank * local), step)
+        out.append((float(result.loss), float(result.grad_norm)))
     optimizer.close()
     return out, sharded_bytes([module.model])
 

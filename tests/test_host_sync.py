@@ -128,18 +128,19 @@ def test_checkpoint_steps_are_sync_steps_too(tmp_path):
 
 
 # One process without Lightning: the step the dry run drives -----------------------------------------
-def _module_and_strategy(precision: str):
+def _train_step(precision: str):
     """A single-process module with the real strategy and optimizer, stepped without a Trainer."""
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.module import LMModule
-    from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
+    from megatron_hydra.training.step import TrainStep
+    from megatron_hydra.training.strategy import MegatronStrategy
 
     cfg = compose_config([*SMALL, f"precision={precision}", "optim.clip_grad=1.0"])
     module = LMModule(cfg, derive(cfg), ParallelState.single())
     strategy = MegatronStrategy(module.ps, torch.device("cpu"), grad_bucket_size=cfg.parallel.grad_bucket_size)
-    strategy._setup_model(module)
-    return module, strategy, StepThrough(module.build_optimizer(strategy.grad_buffer), strategy)
+    strategy.wrap_model(module)
+    return TrainStep(module, module.build_optimizer(strategy.grad_buffer))
 
 
 def _batch(step: int):
@@ -151,19 +152,18 @@ def _batch(step: int):
 def test_optimizer_step_clip_and_guard_read_nothing(precision, per_step):
     """bf16/fp32: no read in forward, backward, clipping, AdamW or the guard. fp16: one, the
     overflow flag its loss scaler decides on (parallel.optimizer), however many tensors it checks."""
-    module, strategy, optimizer = _module_and_strategy(precision)
+    train_step = _train_step(precision)
     steps = 3
     with counting_host_reads() as reads:
         for step in range(steps):
             reads.step = step
-            loss, lr, skipped = module.optimizer_step_over(_batch(step), strategy, optimizer, step)
-            module.guard.record(step, loss, strategy.last_grad_norm, skipped)
+            result = train_step(_batch(step), step)  # the guard records it
         reads.step = "verify"
-        module.guard.verify()
+        train_step.module.guard.verify()
     assert reads.per_step("ours", steps) == [per_step] * steps
     assert reads.counts["verify", "ours"] == 1
     if precision != "fp16":  # (fp16's first steps overflow at the initial scale: no norm)
-        assert strategy.last_grad_norm > 1.0  # clipped: clip_grad=1.0 on a fresh model
+        assert result.grad_norm > 1.0  # clipped: clip_grad=1.0 on a fresh model
 
 
 # The clip multiplies on the device -------------------------------------------------------------------

@@ -22,7 +22,7 @@ def _reduce(rank, world):
     # The gradient buffer it attaches reduces expert parameters over the expert data-parallel group.
     model = torch.nn.Linear(2, 2)
     model.weight.expert_parallel = True
-    strategy._setup_model(model)
+    strategy.wrap_model(model)
     groups = {p: b.group for b in strategy.grad_buffer.buckets for p in b.params}
     strategy.grad_buffer.close()
     return out | {"groups": (groups[model.weight] is ps.expert_dp_group, groups[model.bias] is ps.dp_cp_group)}

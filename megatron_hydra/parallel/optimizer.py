@@ -121,7 +121,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     A complete ``torch.optim.Optimizer`` (its base is initialised: hooks, profiling and Lightning's
     wrappers work as on any optimizer) whose ``param_groups`` and ``state`` are the inner AdamW's
-    own objects, so a change through either is seen by both; gradients are zeroed by the strategy
+    own objects, so a change through either is seen by both; gradients are zeroed by the step
     (in the buffer, or on the FSDP parameters), not here. ``grad_buffer=None``: ``model`` is
     fully sharded by FSDP (``parallel.fsdp``)."""
 
@@ -235,7 +235,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # The step --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Grads live in the strategy's buffer and are zeroed there."""
+        """Grads live in the gradient buffer (or on FSDP's parameters); the step zeroes them (``training.step``)."""
 
     def _unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
         """fp16: divide the loss scale out of ``grads`` and say whether any rank's gradients hold

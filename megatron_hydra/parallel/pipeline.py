@@ -27,21 +27,21 @@ its forward actions (``pipeline_runtime.keep_forward_actions``).
 
 Loss. The last stage's module returns the per-token loss (labels reach every stage as a keyword
 argument; only the last uses them) and the schedule's ``loss_fn`` reduces it to the micro-batch's
-masked mean (``loss_mask`` is the schedule's target). After the schedule the accumulated grads
-are divided by the number of micro-batches, i.e. the loss is averaged over micro-batches as on the
-pp=1 path. This is done here on the buffered grads (``data_parallel.main_grad``) rather than by the
-schedule's ``scale_grads``, which only sees ``.grad``: a 16-bit model accumulates in an fp32
-buffer instead. The step's loss is summed over the pp group from the last stage (others add
-zero), so every rank, rank 0 included, holds it.
+masked mean (``loss_mask`` is the schedule's target). The schedule runs with ``scale_grads=False``:
+the caller (``training.step``) divides the accumulated grads by the number of micro-batches, on the
+buffered grads (``data_parallel.main_grad``), which the schedule's ``scale_grads`` does not see (a
+16-bit model accumulates in an fp32 buffer). The step's loss is summed over the pp group from the
+last stage (others add zero), so every rank, rank 0 included, holds it.
 
 Tied embeddings. The last stage holds its own copy of the word embedding (parameters tagged
 ``shared_embedding``); after the schedule the copies' grads are summed over the ``embedding``
 group (first + last stage, Megatron's scheme), or locally when one rank holds both (ZB-V), so the
-copies receive identical updates and stay bitwise equal.
+copies receive identical updates and stay bitwise equal (``reduce_tied_grads``, which the step
+calls after the schedule).
 
 FSDP (``parallel.data_parallel=fsdp``). Every micro-batch's backward runs with FSDP's gradient
-sync off (the strategy's ``block_backward_sync``), and one reduce-scatter per chunk follows the
-schedule (``fsdp.finish_backward``); the division by the micro-batch count and the tied
+sync off (the step's ``no_sync``), and one reduce-scatter per chunk follows the schedule
+(``fsdp.finish_backward``, the step's call); the division by the micro-batch count and the tied
 embedding's sum then act on this rank's rows of the reduced grads, which are the same rows on the
 first and last stage.
 """
@@ -61,13 +61,10 @@ from torch.distributed.pipelining import (
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.data_parallel import main_grad
-from megatron_hydra.parallel.fsdp import finish_backward
 from megatron_hydra.parallel.pipeline_runtime import (
     HookedStage,
     check_supported,
     keep_forward_actions,
-    moves_no_data,
-    skip_warmup_vote,
 )
 from megatron_hydra.parallel.state import ParallelState
 
@@ -161,8 +158,6 @@ class Pipeline:
         cls = SCHEDULES[self.schedule_name]
         first = stages[0] if cls is Schedule1F1B else stages
         schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=False)
-        if self.stage_io is not None and moves_no_data(self.ps.pp_group):
-            skip_warmup_vote(schedule)
         if not train:
             keep_forward_actions(schedule)
         return schedule
@@ -187,19 +182,11 @@ class Pipeline:
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                    **inputs: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of all micro-batches of this rank's batch; grads accumulate into
-        ``.grad`` (averaged over micro-batches, tied copies summed). Returns the mean loss.
-        ``inputs`` (e.g. BERT's padding mask) reach every stage as keyword arguments, like labels."""
-        loss = self._run(self._train, tokens, labels, loss_mask, True, inputs)
-        finish_backward(self.chunks)  # FSDP chunks: reduce-scatter the accumulated grads now
-        with torch.no_grad():
-            for chunk in self.chunks:
-                for p in chunk.parameters():
-                    grad = main_grad(p)
-                    if grad is not None:
-                        grad.div_(self.num_microbatches)
-        self.reduce_tied_grads()
-        return loss
+        """Forward and backward of all micro-batches of this rank's batch; grads accumulate, summed
+        over micro-batches (averaging them and summing the tied copies is the caller's: see the
+        module docstring). Returns the mean loss. ``inputs`` (e.g. BERT's padding mask) reach every
+        stage as keyword arguments, like labels."""
+        return self._run(self._train, tokens, labels, loss_mask, True, inputs)
 
     def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                   **inputs: torch.Tensor) -> torch.Tensor:

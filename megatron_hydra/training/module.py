@@ -1,11 +1,19 @@
 """The LightningModule: one ``training_step`` is one optimizer step over one global batch.
 
 The batch Lightning hands in is this data-parallel rank's share of the global batch
-(``num_microbatches x micro_batch_size`` samples). It is cut into micro-batches whose gradients
-accumulate; the strategy reduces them over data-parallel ranks (overlapped with the last
-micro-batch's backward) and clips them when the optimizer steps. The logged loss is the mean over
-the whole global batch, identical for every layout. A loss or gradient norm that is NaN or inf
-stops the run (``training.guard``).
+(``num_microbatches x micro_batch_size`` samples). The step itself (zeroing, micro-batches or the
+pipeline schedule, the data-parallel reduce, the optimizer step, the gradient norm) is owned by
+``training.step.TrainStep``; this module holds the model, its loss, and what a run reports. The
+logged loss is the mean over the whole global batch, identical for every layout. A loss or
+gradient norm that is NaN or inf stops the run (``training.guard``).
+
+Lightning serves the loop, callbacks, loggers, progress bar and validation. Three of its features
+are bypassed, each in one place: automatic optimisation (``TrainStep`` runs the step; it reaches
+Lightning only through ``manual_backward`` and the wrapped optimizer's ``step``, so hooks and
+``trainer.global_step`` work as usual), ``self.log`` for step metrics (``write_step_metrics``:
+Lightning's result record costs more host time per metric than a small model's step), and
+resuming (``training.checkpointing.set_resumed_step``: Lightning resumes only from its own
+checkpoint format).
 
 No host sync per step. A GPU step is a queue of kernels the host runs ahead of; anything that
 reads a device value on the host (``.item()``, ``float(t)``, ``if t < x``, logging a tensor that
@@ -27,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from typing import Dict, Optional
 
 import numpy as np
@@ -45,9 +52,9 @@ from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.planning.peak import device_peak_tflops
 from megatron_hydra.training.guard import FiniteGuard
-from megatron_hydra.training.lr_schedule import lr_at
 from megatron_hydra.training.memory_peak import peak_memory_bytes, reset_peak_memory
 from megatron_hydra.training.precision import DynamicLossScaler
+from megatron_hydra.training.step import StepResult, TrainStep, dp_mean, split_microbatches
 
 log = logging.getLogger("megatron_hydra")
 # The step metrics shown on the progress bar (all of them go to the loggers).
@@ -97,6 +104,9 @@ class LMModule(pl.LightningModule):
 
     def __init__(self, cfg: RunConfig, derived: Derived, ps: ParallelState, device=None):
         super().__init__()
+        # Where the step's own tensors go (the pipeline's buffers): the model's device, known
+        # without Lightning (which records a device only when it moves the module).
+        self.home_device = torch.device(device) if device is not None else torch.get_default_device()
         self.automatic_optimization = False
         self.cfg, self.derived, self.ps = cfg, derived, ps
         tcfg = derived.transformer
@@ -106,8 +116,8 @@ class LMModule(pl.LightningModule):
             self.model = torch.nn.ModuleList(chunks)
         else:
             self.model = build_model(cfg, derived, ps, device)
-        self.flops_per_step = model_flops_per_step(tcfg, cfg.data.global_batch_size)
-        self.tokens_per_step = cfg.data.global_batch_size * tcfg.seq_length
+        self.flops_per_step = model_flops_per_step(tcfg, derived.global_batch_size)
+        self.tokens_per_step = derived.global_batch_size * tcfg.seq_length
         # Throughput window: when it started (None: at the next step) and the steps it holds.
         self._window_start: Optional[float] = None
         self.progress_metrics: Dict[str, float] = {}  # the latest logged step's, for the progress bar
@@ -116,6 +126,7 @@ class LMModule(pl.LightningModule):
         self.peak_tflops: Optional[float] = None
         self.guard = FiniteGuard()
         self._moe_layers: Optional[list] = None
+        self.train_step: Optional[TrainStep] = None  # built when training starts (``on_train_start``)
         # Samples trained on so far: carried as is through checkpoints (a resumed run may use
         # another global batch size, so it is not step x batch).
         self.consumed_samples = 0
@@ -126,7 +137,7 @@ class LMModule(pl.LightningModule):
         self.loss_dtype = torch.float64 if tcfg.params_dtype == torch.float64 else torch.float32
 
     @property
-    def _moe(self) -> list:
+    def moe_layers(self) -> list:
         """This rank's Mixture-of-Experts layers (``models.moe``)."""
         if self._moe_layers is None:
             self._moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
@@ -149,7 +160,7 @@ class LMModule(pl.LightningModule):
         return self._loss(self.model(batch["tokens"], **{k: batch[k] for k in arch.inputs if k in batch}),
                           batch["loss_mask"])
 
-    def _stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The batch fields besides tokens, labels and loss mask that every pipeline stage reads."""
         return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels" and k in batch}
 
@@ -158,7 +169,7 @@ class LMModule(pl.LightningModule):
         """Built on first use, once Lightning has moved the chunks to their device."""
         if self._pipeline is None:
             self._pipeline = Pipeline(list(self.model), self._stages, self.ps, self.cfg.parallel.pipeline_schedule,
-                                      self.derived.num_microbatches, self._scaled_masked_mean, self.device,
+                                      self.derived.num_microbatches, self._scaled_masked_mean, self.home_device,
                                       stage_io=self._stage_io)
         return self._pipeline
 
@@ -180,19 +191,12 @@ class LMModule(pl.LightningModule):
         """The pipeline's loss function: the micro-batch loss times the loss scale (1 unless fp16)."""
         return self._loss(per_token_loss, loss_mask) * self.loss_scale
 
-    def _microbatches(self, batch: Dict[str, torch.Tensor]):
-        n = self.derived.num_microbatches
-        return [dict(zip(batch, values)) for values in zip(*(v.chunk(n) for v in batch.values()))]
-
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean over data- and context-parallel ranks: a cp rank's loss is its share times cp
-        (``models.archs.masked_mean``), so the mean over dp x cp is the global batch's loss."""
-        value = value.detach().clone()
-        C.all_reduce(value, self.ps.dp_cp_group)
-        return value / C.group_size(self.ps.dp_cp_group)
-
     # Training --------------------------------------------------------------------------------
     def on_train_start(self) -> None:
+        # The one place the step meets Lightning: its backward (hooks) and its wrapped optimizer
+        # (``trainer.global_step``, ``on_before_optimizer_step``); see ``training.step``.
+        self.train_step = TrainStep(self, self.optimizers(use_pl_optimizer=False), backward=self.manual_backward,
+                                    step_optimizer=self.optimizers().step)
         if self.ps.rank != 0:  # only rank 0 logs
             return
         tcfg = self.derived.transformer
@@ -208,67 +212,18 @@ class LMModule(pl.LightningModule):
             self._window_start, self._window_steps = time.perf_counter(), 0
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        strategy = self.trainer.strategy
         step = self.trainer.global_step
-        loss, lr, skipped = self.optimizer_step_over(batch, strategy, self.optimizers(), step)
-        self.guard.record(step, loss, strategy.last_grad_norm, skipped)
-        self.consumed_samples += self.cfg.data.global_batch_size
+        result = self.train_step(batch, step)
+        self.consumed_samples += self.derived.global_batch_size
         self._window_steps += 1
         if host_sync_step(step, self.cfg):
             self.guard.verify()  # before anything of a non-finite step is logged
-            self._log_step(step, loss, lr, strategy.last_grad_norm)
+            self._log_step(step, result)
 
-    def optimizer_step_over(self, batch: Dict[str, torch.Tensor], strategy, optimizer, step: int):
-        """Forward, backward and the optimizer step over this rank's share of one global batch.
-        Lightning's ``training_step`` calls it with its wrapped optimizer (whose ``step`` goes
-        through ``strategy.optimizer_step``); the dry run (``training.dry_run``) calls it without a
-        Trainer. Returns the loss averaged over data-parallel ranks, the step's learning rate, and
-        whether fp16's loss scaler skipped the step."""
-        strategy.zero_grad()
-        if self._moe:  # the routers' losses are scaled as the main loss is (models.moe.AuxLossScaler)
-            per_microbatch = 1 if self.derived.pp > 1 else self.derived.num_microbatches  # pp: grads / n later
-            for layer in self._moe:
-                layer.aux_loss_scale = self.loss_scale * self.ps.cp_size / per_microbatch
-        if self.derived.pp > 1:
-            # The schedule interleaves the micro-batches' backwards, so no bucket is final before it
-            # ends: the data-parallel reduce then runs whole in the optimizer step (GradBuffer.finish).
-            with strategy.block_backward_sync():
-                scale = self.loss_scale
-                loss = self.pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
-                                                **self._stage_inputs(batch)) / scale
-        else:
-            loss = self._accumulate(batch, strategy)
-        lr = lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        skipped_before = self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
-        optimizer.step()
-        for layer in self._moe:  # aux-loss-free balancing: every rank holding the layer moves its bias alike
-            layer.update_expert_bias(self.ps.group("amax"))
-        skipped = self.loss_scaler is not None and self.loss_scaler.skipped_steps > skipped_before
-        return self._dp_mean(loss), lr, skipped
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self._trainer is not None:
-            self.manual_backward(loss)
-        else:  # driven without a Trainer (the dry run)
-            loss.backward()
-
-    def _accumulate(self, batch: Dict[str, torch.Tensor], strategy) -> torch.Tensor:
-        """pp = 1: forward and backward micro-batch by micro-batch; returns the mean loss."""
-        micro = self._microbatches(batch)
-        total = torch.zeros((), dtype=self.loss_dtype, device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            with strategy.block_backward_sync() if not last else nullcontext():
-                loss = self.microbatch_loss(mb)
-                self._backward(loss * self.loss_scale / len(micro))
-            total += loss.detach()
-        return total / len(micro)
-
-    def _log_step(self, step: int, loss: torch.Tensor, lr: float, grad_norm: Optional[torch.Tensor]) -> None:
+    def _log_step(self, step: int, result: StepResult) -> None:
         """Log this step's metrics: the device values are read in one transfer, and the numbers go
         to the loggers directly (``write_step_metrics``)."""
+        loss, lr, grad_norm = result.loss, result.lr, result.grad_norm
         read = [loss.detach().double().reshape(())]
         if grad_norm is not None:
             read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
@@ -343,7 +298,7 @@ class LMModule(pl.LightningModule):
             return []
         aux = torch.zeros((), dtype=torch.float64, device=device)
         imbalance = torch.zeros((), dtype=torch.float64, device=device)
-        for m in (m for m in self._moe if m.tokens_per_expert is not None):
+        for m in (m for m in self.moe_layers if m.tokens_per_expert is not None):
             aux += (m.aux_loss + m.z_loss).double().to(device)
             counts = m.tokens_per_expert.double().to(device)
             imbalance = torch.maximum(imbalance, counts.max() / counts.mean().clamp_min(1e-12))
@@ -351,7 +306,7 @@ class LMModule(pl.LightningModule):
         C.all_reduce(imbalance, self.ps.pp_group, op=torch.distributed.ReduceOp.MAX)
         if self.derived.transformer.moe.capacity_factor is None:
             return [aux, imbalance]
-        counts = torch.tensor([float(sum(m.dropped for m in self._moe)), float(sum(m.assigned for m in self._moe))],
+        counts = torch.tensor([float(sum(m.dropped for m in self.moe_layers)), float(sum(m.assigned for m in self.moe_layers))],
                               dtype=torch.float64, device=device)
         C.all_reduce(C.all_reduce(counts, self.ps.group("amax")), self.ps.pp_group)  # every rank, every stage
         return [aux, imbalance, counts[0] / counts[1].clamp_min(1.0)]
@@ -363,10 +318,11 @@ class LMModule(pl.LightningModule):
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.derived.pp > 1:
             loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
-                                               **self._stage_inputs(batch)) / self.loss_scale
+                                               **self.stage_inputs(batch)) / self.loss_scale
         else:
-            loss = torch.stack([self.microbatch_loss(mb) for mb in self._microbatches(batch)]).mean()
-        self._val_losses.append(self._dp_mean(loss))
+            micro = split_microbatches(batch, self.derived.num_microbatches)
+            loss = torch.stack([self.microbatch_loss(mb) for mb in micro]).mean()
+        self._val_losses.append(dp_mean(loss, self.ps))
 
     def on_validation_epoch_end(self) -> None:
         self._window_start = None  # validation time is not training throughput

@@ -1,18 +1,18 @@
 """MegatronStrategy: Lightning's view of a rank in a (pp, dp, cp, tp) grid.
 
-The process group already exists when Lightning starts (our launcher, torchrun or SLURM created
-it), so the strategy launches nothing and wraps nothing: it exposes the ranks to Lightning,
-attaches the data-parallel gradient buffer to the model's parameters (or, with
-``parallel.data_parallel=fsdp``, shards the model with FSDP: ``parallel.fsdp``), and completes the
-gradient reduction inside ``optimizer_step`` (so ``optimizer.step()`` in the training step always sees
-reduced gradients; ``parallel.optimizer`` clips them and steps). How layers are sharded is not its concern: it only reads
-the tags the parallel layers put on parameters.
+It holds the process environment, the device and the model's wrapping, nothing of a step. The
+process group already exists when Lightning starts (our launcher, torchrun or SLURM created it),
+so the strategy launches nothing: it exposes the ranks to Lightning and wraps the model
+(``wrap_model``): it attaches the data-parallel gradient buffer to the model's parameters, or,
+with ``parallel.data_parallel=fsdp``, shards the model with FSDP (``parallel.fsdp``). Zeroing,
+the no-sync of accumulating micro-batches, finishing the reduce and the gradient norm belong to
+the step (``training.step``). How layers are sharded is not its concern: it only reads the tags
+the parallel layers put on parameters.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,6 @@ class MegatronStrategy(ParallelStrategy):
         self.fsdp = data_parallel == "fsdp"
         self.fsdp_chunks: list = []  # fsdp: the model chunks, each an FSDP root
         self.grad_buffer: Optional[GradBuffer] = None
-        self.last_grad_norm: Optional[torch.Tensor] = None
         self._launcher = None
 
     @property
@@ -99,13 +98,20 @@ class MegatronStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.fsdp:
-            self._shard(model)
-            return model
-        ps = self.parallel_state
-        self.grad_buffer = GradBuffer(model.parameters(), ps.dp_cp_group, self.grad_bucket_size,
-                                      distributed=self.distributed_optimizer, expert_dp_group=ps.expert_dp_group)
+        """Lightning's hook at setup: the model wrapped in place (``wrap_model``)."""
+        self.wrap_model(model)
         return model
+
+    def wrap_model(self, module: torch.nn.Module) -> None:
+        """Give ``module`` (an ``LMModule``, or any model) its data parallelism, before its optimizer is
+        built: a gradient buffer over its parameters (``grad_buffer``, which the optimizer and the
+        step read), or FSDP sharding of its chunks (``grad_buffer`` stays None)."""
+        if self.fsdp:
+            self._shard(module)
+            return
+        ps = self.parallel_state
+        self.grad_buffer = GradBuffer(module.parameters(), ps.dp_cp_group, self.grad_bucket_size,
+                                      distributed=self.distributed_optimizer, expert_dp_group=ps.expert_dp_group)
 
     def _shard(self, module: torch.nn.Module) -> None:
         """FSDP over the data-parallel group: each transformer block a unit, each model chunk a root.
@@ -117,51 +123,6 @@ class MegatronStrategy(ParallelStrategy):
         dtype = next(inner.parameters()).dtype
         fsdp.shard_chunks(self.fsdp_chunks, blocks, self.parallel_state, dtype,
                           reshard_after_forward=self.parallel_state.pp_size == 1)
-
-    # Gradients ---------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        """Zero the gradient buffer in place (the optimizer's zero_grad would drop the views); FSDP:
-        drop the sharded grads (the next reduce-scatter assigns new ones)."""
-        if self.grad_buffer is None:
-            for chunk in self.fsdp_chunks:
-                chunk.zero_grad(set_to_none=True)
-            return
-        self.grad_buffer.zero()
-
-    @contextmanager
-    def block_backward_sync(self):
-        """Backward of a micro-batch that is not the last: accumulate, do not reduce yet."""
-        if self.grad_buffer is None:
-            fsdp.set_gradient_sync(self.fsdp_chunks, False)
-        else:
-            self.grad_buffer.sync_enabled = False
-        try:
-            yield
-        finally:
-            if self.grad_buffer is None:
-                fsdp.set_gradient_sync(self.fsdp_chunks, True)
-            else:
-                self.grad_buffer.sync_enabled = True
-
-    def _finish_reduction(self) -> None:
-        if self.grad_buffer is not None:  # FSDP finished its reduce-scatters at the end of backward
-            self.grad_buffer.finish()
-
-    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        self._finish_reduction()
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._read_grad_norm(optimizer)
-        return out
-
-    def step_optimizer(self, optimizer) -> None:
-        """``optimizer_step`` without a Trainer (the dry run): reduce, then step."""
-        self._finish_reduction()
-        optimizer.step()
-        self._read_grad_norm(optimizer)
-
-    def _read_grad_norm(self, optimizer) -> None:
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        self.last_grad_norm = getattr(inner, "last_grad_norm", None)
 
     # Collectives Lightning uses (metric sync, barriers) ------------------------------------------
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
@@ -196,16 +157,3 @@ class MegatronStrategy(ParallelStrategy):
             self.grad_buffer.close()
         self.grad_buffer = None
         super().teardown()
-
-
-class StepThrough:
-    """What ``LMModule.optimizer_step_over`` needs of Lightning's wrapped optimizer, without a
-    Trainer (the dry run, tests): the param groups, and a ``step`` that goes through the strategy
-    (gradient reduce, then the optimizer)."""
-
-    def __init__(self, optimizer, strategy: MegatronStrategy):
-        self.optimizer, self.strategy = optimizer, strategy
-        self.param_groups = optimizer.param_groups
-
-    def step(self) -> None:
-        self.strategy.step_optimizer(self.optimizer)
