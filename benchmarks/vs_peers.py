@@ -30,28 +30,10 @@ RMSNorm, SwiGLU with ffn 2048, untied head):
   (its MoE kernels); the dense model never calls it.
 - Hugging Face transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``vs_transformers``).
 
-Prints tokens per CPU-second of each and our speedup over each; asserts nothing. Measured on 2
-cores of an AVX-512 (bf16 included) AMD EPYC of a shared host (2 threads, ``steps=25`` after 3
-warm-up rounds; our speedup over Megatron-Core / torchtitan / transformers):
-
-    fp32 GPT-2  s=512  1.20 /  -   / 1.28    s=1024  1.26 /  -   / 1.26
-    bf16 GPT-2  s=512  1.20 /  -   / 1.39    s=1024  1.27 /  -   / 1.35
-    fp32 Llama  s=512  1.23 / 1.23 / 1.23    s=1024  1.28 / 1.20 / 1.19
-    bf16 Llama  s=512  1.18 / 1.29 / 1.29    s=1024  1.26 / 1.31 / 1.31
-
-A single step's time moves by up to 1.5x on such a host, and a cell by 0.05-0.1 between runs; the
-same day's other full run read the same to within 0.04 in every cell but bf16 Llama at seq 512
-against Megatron-Core, 1.09, which a rerun of the bf16 seq-512 cells read as 1.29 (GPT-2: 1.27).
-At seq 512 the cells have the least room: in fp32 about 60% of every side's step is the LM head's
-three [tokens x 768] x [768 x 50k] matmuls, the same kernels at this CPU's peak (ours runs the
-forward one vocabulary-major, the faster form here). What the lead rests on, besides fused
-attention: the cross entropy allocates no [tokens x vocab] tensor (the logits it is handed become
-their exponentials, then their gradient, in place), with tied embeddings the two gradients of the
-table are summed in place, and on a CPU the logits and the head's and the table's gradients reuse
-the memory an earlier step freed (``parallel/host_memory.py``), so a step faults in no
-[vocab]-sized fresh pages (docs/hf_interop.md). Measured alternating at seq 512 in bf16 (per step):
-our user CPU time is 5-9% below Megatron-Core's (1.09 against 1.17 s, GPT-2 form), and our system
-time 0.01 s against its 0.22-0.25 s (its 105,000-111,000 page faults, against our median of 0).
+Prints tokens per CPU-second of each and our speedup over each; asserts nothing. The grids
+measured so far, and what the lead rests on, are in docs/benchmarks.md. Our side runs on a CPU,
+so it takes the CPU-only head and lookup (``parallel.host_memory``, chosen by
+``parallel.layers.kernels_for``); an accelerator takes torch's own ``F.linear`` and ``F.embedding``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ models alternate, so that load from other processes hits both alike, timed by th
 time (``clock=cpu``, robust on a shared machine) or elapsed time (``clock=wall``), after
 ``warmup`` rounds. Prints tokens per second of that clock (median step) and ours / transformers:
 the median over rounds of their step time over ours in the same round (``speedup``); asserts
-nothing.
+nothing. Our side runs on a CPU, so it takes the CPU-only head and lookup (``parallel.host_memory``,
+chosen by ``parallel.layers.kernels_for``). Measured grids: docs/hf_interop.md, docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -110,8 +111,7 @@ def timed(fns: Dict[str, Callable[[], None]], steps: int, warmup: int,
 
 def speedup(times: Dict[str, List[float]], peer: str, ref: str = "ours") -> float:
     """The median over rounds of the peer's step time over ours in the same round. The machine's
-    speed drifts between rounds (by up to 1.5x on a shared host) and hits both steps of a round
-    alike, so pairing them within a round is steadier than a ratio of two medians."""
+    speed drifts between rounds on a shared host and hits both steps of a round alike, so pairing them within a round is steadier than a ratio of two medians."""
     return statistics.median(theirs / mine for theirs, mine in zip(times[peer], times[ref]))
 
 
@@ -122,7 +122,7 @@ def main(argv: List[str]) -> None:
     if "threads" in args:
         torch.set_num_threads(int(args["threads"]))
     # cpu: this process's CPU seconds, which other processes' load on a shared machine barely
-    # moves (wall-clock steps there vary by 2x); wall: elapsed time, for an idle machine.
+    # moves (wall-clock steps there vary widely); wall: elapsed time, for an idle machine.
     clock = time.process_time if args.get("clock", "cpu") == "cpu" else time.perf_counter
     seqs = [int(s) for s in args.get("seqs", "512,1024").split(",")]
     dtypes = args.get("dtypes", "float32,bfloat16").split(",")

@@ -1,5 +1,5 @@
-"""Host memory reused across steps for the logits and the head's and embedding table's gradients
-(parallel.host_memory): reused only when free, never changing a result, bounded, only on a CPU."""
+"""The CPU-only kernels (parallel.host_memory): host memory reused across steps for the logits and
+the head's and embedding table's gradients, reused only when free, never changing a result, bounded."""
 
 import pytest
 import torch
@@ -73,21 +73,14 @@ def test_reused_memory_changes_no_result():
 def test_changing_shapes_do_not_grow_the_pool_without_bound():
     host_memory.release_all()
     for rows in range(1, 4 * host_memory.MAX_KEPT):
-        t = host_memory.reusable_empty((rows * 1000, 3), torch.float32, "cpu")
+        t = host_memory.reusable_empty((rows * 1000, 3), torch.float32)
         assert t.shape == (rows * 1000, 3) and t.is_contiguous()
         del t
     assert len(host_memory._kept) <= host_memory.MAX_KEPT
     # Held tensors are never evicted or handed out again; beyond the bound they are not kept.
-    held = [host_memory.reusable_empty((10,), torch.float32, "cpu") for _ in range(host_memory.MAX_KEPT + 2)]
+    held = [host_memory.reusable_empty((10,), torch.float32) for _ in range(host_memory.MAX_KEPT + 2)]
     assert len({_storage(t) for t in held}) == len(held)
     assert len(host_memory._kept) == host_memory.MAX_KEPT
-
-
-def test_other_devices_take_plain_memory():
-    host_memory.release_all()
-    t = host_memory.reusable_empty((4, 5), torch.bfloat16, "meta")
-    assert t.device.type == "meta" and t.shape == (4, 5)
-    assert host_memory.kept_bytes() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)

@@ -25,7 +25,7 @@ LAYER_CASES = [f"{layer}-tp{tp}{'-sp' if sp else ''}"
                for layer in ("column", "column_gather", "row", "embedding") for tp in (2, 4) for sp in (False, True)
                if not (layer == "column_gather" and sp)]
 CE_CASES = [f"cross_entropy-tp{tp}" for tp in (1, 2, 4)]
-# bf16 and fp16 logits, token-major and vocabulary-major (as the models' head hands them over): the
+# bf16 and fp16 logits, token-major and vocabulary-major (as the heads hand them over, off and on a CPU): the
 # loss takes their exponentials in fp32 slices of the vocabulary, here 5 entries each (a ragged last
 # slice at every tp), recomputed in backward or, handed over in bf16, stored. The reference is fp64
 # on the same 16-bit values: the loss is fp32 arithmetic, the gradient is rounded to 16 bits (2^-8

@@ -113,8 +113,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _fp32_buffer(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """One fp32 slice's memory, laid out as the logits are (vocabulary-major from the models' head),
-    allocated once per pass and reused by every slice."""
+    """One fp32 slice's memory, laid out as the logits are (token-major from the head on an
+    accelerator, vocabulary-major from the CPU head), allocated once per pass and reused by every slice."""
     return torch.empty_like(logits[..., :width], dtype=torch.float32)
 
 

@@ -9,6 +9,9 @@ a sequence-parallel slice carry ``sequence_parallel=True``: their grads must be 
 Layers take the TP process group directly; they know nothing of models or of ``ParallelState``.
 Weights are created empty (in training on the meta device): ``models.init`` gives them storage and
 fills them layout-independently.
+
+The LM head and the embedding lookup cross one device seam, ``kernels_for``: torch's own ops on an
+accelerator, CPU-only kernels over reused host memory (``parallel.host_memory``) on a CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel import mappings as M
-from megatron_hydra.parallel.host_memory import reusable_empty
+from megatron_hydra.parallel import host_memory
 
 
 def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
@@ -151,37 +154,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def lookup(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(ids, table)``. On a CPU, the gradient of the table (zeros but for the rows
-    looked up, as large as the table) is built in host memory an earlier step's gradient left free
-    (``parallel.host_memory``) instead of fresh pages, equal to torch's own backward to the bit in
-    every dtype. Accelerators keep torch's backward (their caching allocator already reuses memory)."""
-    if table.requires_grad and table.device.type == "cpu":
-        return _LookupWithReusedGrad.apply(ids, table)
-    return F.embedding(ids, table)
-
-
-class _LookupWithReusedGrad(torch.autograd.Function):
-    """The backward runs torch's own embedding backward on the rows looked up alone (the ids
-    renumbered 0..n-1 in order of value), then copies those n rows into a zero-filled table.
-    torch's backward adds each occurrence's gradient row into its table row in the order the ids
-    come, rounding after each addition in 16-bit dtypes; the renumbering keeps that order per row,
-    so every dtype gets torch's very sums."""
-
-    @staticmethod
-    def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
-        return F.embedding(ids, table)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        looked_up, renumbered = torch.unique(ids.reshape(-1), return_inverse=True)
-        rows = torch.ops.aten.embedding_dense_backward(grad.reshape(-1, ctx.table_shape[1]), renumbered,
-                                                       looked_up.numel(), -1, False)
-        table_grad = reusable_empty(ctx.table_shape, ctx.table_dtype, grad.device).zero_()
-        return None, table_grad.index_copy_(0, looked_up.long(), rows)
+    """``F.embedding(ids, table)``, through the kernels of the table's device (``kernels_for``)."""
+    return kernels_for(table.device).lookup(ids, table)
 
 
 class PositionEmbedding(nn.Embedding):
@@ -210,80 +184,38 @@ class PositionEmbedding(nn.Embedding):
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group, sequence_parallel: bool,
                           vocab_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits of this rank's vocabulary shard, [..., padded_vocab / tp], from the (possibly tied)
-    vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf.
-
-    Computed vocabulary-major, ``weight @ hidden^T`` ([vocab / tp, tokens]), and handed back as its
-    transpose (a strided view: entries of one token lie ``tokens`` apart). The weight is then the
-    matmul's first operand with nothing between it and its parameter, so its gradient is a
-    contiguous [vocab, hidden] tensor into which autograd adds a tied embedding's lookup gradient
-    in place. Through ``F.linear`` the gradient would reach the parameter as a transposed view, and
-    the two gradients would be summed into a third (an allocation and a pass over 150 MB a step for
-    GPT-2's table in fp32). The logits and the weight's gradient take memory that, on a CPU, an
-    earlier step's left free (``parallel.host_memory``), so the step's largest tensors do not fault
-    their pages in anew every step; the backward computes only the gradients its pass uses (a
-    zero-bubble schedule's input and weight passes run one matmul each)."""
+    vocab-parallel ``weight`` (+ ``bias``); padded entries are -inf, so that the loss and sampled
+    tokens do not depend on how much padding the layout needs. Computed by the kernels of the
+    weight's device (``kernels_for``)."""
     x = enter_tp_region(hidden, tp_group, sequence_parallel)
-    rows = x.reshape(-1, x.shape[-1]).t()
-    logits_t = _HeadMatmul.apply(weight, rows, bias)
-    mask_padded_vocab(logits_t, vocab_size, C.group_rank(tp_group))
-    return logits_t.t().view(*x.shape[:-1], logits_t.shape[0])
+    first_padded = vocab_size - C.group_rank(tp_group) * weight.shape[0]
+    logits = kernels_for(weight.device).head(x.reshape(-1, x.shape[-1]), weight, bias, first_padded)
+    return logits.view(*x.shape[:-1], weight.shape[0])
 
 
-class _HeadMatmul(torch.autograd.Function):
-    """``weight @ rows (+ bias)`` in reused host memory. The backward writes the weight's gradient
-    into reused memory too, where torch's own matmul node would return a fresh tensor, and, as
-    torch's node does, computes only the gradients the running backward pass uses."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(weight, rows)
-        out = reusable_empty((weight.shape[0], rows.shape[1]), weight.dtype, weight.device)
-        if bias is None:
-            return torch.mm(weight, rows, out=out)
-        return torch.addmm(bias.unsqueeze(-1), weight, rows, out=out)
+class StandardKernels:
+    """The LM head and the embedding lookup as torch's own ops, for every device but a CPU (an
+    accelerator, the dry run's stand-in): contiguous [tokens, vocab / tp] logits from ``F.linear``,
+    ``F.embedding``, torch's own backward for both, no private torch API. The caching allocator of
+    an accelerator already reuses the memory the CPU kernels reuse by hand."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        weight, rows = ctx.saved_tensors
-        grad_weight = grad_rows = grad_bias = None
-        if _pass_computes(ctx, 0):
-            grad_weight = torch.mm(grad, rows.t(), out=reusable_empty(weight.shape, weight.dtype, weight.device))
-        if _pass_computes(ctx, 1):
-            grad_rows = grad.t().mm(weight).t()
-        if _pass_computes(ctx, 2):
-            grad_bias = grad.sum(1)
-        return grad_weight, grad_rows, grad_bias
+    def head(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], first_padded: int) -> torch.Tensor:
+        """Logits [tokens, vocab / tp] of ``rows`` [tokens, hidden], entries from ``first_padded`` on
+        -inf. The mask is set in place outside autograd, on the matmul's own output before any view
+        of it exists: the matmul keeps no output for backward, and the gradient reaching these
+        entries is already zero (a softmax of -inf, never a target)."""
+        logits = F.linear(rows, weight, bias)
+        if first_padded < logits.shape[-1]:
+            with torch.no_grad():
+                logits[:, max(first_padded, 0):] = float("-inf")
+        return logits
+
+    lookup = staticmethod(F.embedding)
 
 
-def _pass_computes(ctx, i: int) -> bool:
-    """Whether the running backward pass uses the gradient of the node's input ``i``. A zero-bubble
-    schedule's input pass (``autograd.grad`` to the stage's inputs) uses no weight's, its weight
-    pass (from the saved gradients of the nodes that lead to weights) no input's. torch declines to
-    answer for a parameter whose gradient ``autograd.grad`` captures: that gradient is used. The
-    question is torch's private API; a torch without it gets every gradient computed (slower in a
-    split backward, never wrong)."""
-    if not ctx.needs_input_grad[i]:
-        return False
-    node, will_execute = ctx.next_functions[i][0], getattr(torch._C, "_will_engine_execute_node", None)
-    try:
-        return node is None or will_execute is None or will_execute(node)
-    except RuntimeError:  # a parameter whose gradient autograd.grad captures
-        return True
-
-
-def mask_padded_vocab(logits_t: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Set the vocabulary-major logits ([vocab / tp, tokens]) of this TP shard's padded vocabulary
-    entries to -inf, so that the loss and sampled tokens do not depend on how much padding the
-    layout needs.
-
-    In place and outside autograd, on the matmul's own output before any view of it exists: the
-    matmul keeps no output for backward, and the gradient reaching these entries is already zero
-    (a softmax of -inf, never a target). Recorded by autograd, the assignment would copy the whole
-    [tokens, vocab] gradient in backward only to zero what is zero; done to a view, it would make
-    autograd rebuild the view's backward as a strided copy of the whole base."""
-    first_padded = vocab_size - tp_rank * logits_t.shape[0]
-    if first_padded < logits_t.shape[0]:
-        with torch.no_grad():
-            logits_t[max(first_padded, 0):] = float("-inf")
-    return logits_t
+def kernels_for(device: torch.device):
+    """The one device seam of the LM head and the embedding lookup: on a CPU, ``parallel.host_memory``
+    (CPU-only custom nodes over memory reused across steps); on any other device, ``StandardKernels``.
+    Both give the same values and gradients."""
+    return host_memory if device.type == "cpu" else StandardKernels
