@@ -99,7 +99,8 @@ def test_moe_activations_per_layer_match_the_plan(layout):
     """One more MoE layer's bytes at the step's peak (fake tensors, balanced routing) against the
     plan's MoE terms (planning.moe), at tp2 with a shared expert: experts split over TP (sp, ep2)
     and whole (ep4)."""
-    from megatron_hydra.planning.memory import _layer_shape, activation_bytes_per_layer
+    from megatron_hydra.planning.activations import activation_bytes_per_layer
+    from megatron_hydra.planning.memory import _layer_shape
     from megatron_hydra.planning.moe import layer_delta_bytes
 
     peaks = {}
@@ -143,13 +144,14 @@ def test_planted_dtype_bug_is_named(monkeypatch):
 
 @in_this_process
 def test_planted_dtype_bug_in_the_output_layer_is_named(monkeypatch):
-    """The LM head's matmuls write into given memory (``out=``): checked as every matmul is."""
+    """The dry run takes the accelerator's LM head (``layers.StandardKernels``): checked as every matmul is."""
     from megatron_hydra.parallel import layers
 
-    apply = layers._HeadMatmul.apply
-    monkeypatch.setattr(layers._HeadMatmul, "apply", lambda weight, rows, bias: apply(weight, rows.float(), bias))
+    head = layers.StandardKernels.head
+    monkeypatch.setattr(layers.StandardKernels, "head",
+                        staticmethod(lambda rows, weight, bias, first_padded: head(rows.float(), weight, bias, first_padded)))
     cfg, derived = _cfg("trainer.devices=1", "precision=bf16")
-    with pytest.raises(DryRunError, match=r"aten\.mm\.out mixes dtypes \(bfloat16, float32\)"):
+    with pytest.raises(DryRunError, match=r"aten\.mm\.default mixes dtypes \(bfloat16, float32\)"):
         D.dry_run(cfg, derived, [0])
 
 
@@ -269,7 +271,8 @@ def test_launcher_runs_the_dry_run_before_any_gpu_check(tmp_path, capsys):
 def test_activations_per_layer_match_the_analytic_formula(form):
     """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
     plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""
-    from megatron_hydra.planning.memory import _layer_shape, activation_bytes_per_layer
+    from megatron_hydra.planning.activations import activation_bytes_per_layer
+    from megatron_hydra.planning.memory import _layer_shape
 
     peaks = {}
     for layers in (2, 3):

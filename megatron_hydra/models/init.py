@@ -36,7 +36,6 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
@@ -103,9 +102,13 @@ def normal_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int]
 
 
 def chunk_elements(device: torch.device) -> int:
-    """Elements per chunk: small on CPU (cache-resident, ~12 MB of temporaries), larger on
-    accelerators (fewer kernel launches, ~50 MB)."""
-    return 1 << 18 if torch.device(device).type == "cpu" else 1 << 20
+    """Elements per chunk: small on CPU (cache-resident temporaries), larger on accelerators
+    (fewer kernel launches). A device module may set its own (``init_chunk_elements``): the dry
+    run's stand-in GPU, whose tensors hold no values, fills each tensor as one chunk."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return 1 << 18
+    return getattr(torch.get_device_module(device.type), "init_chunk_elements", 1 << 20)
 
 
 def _rule(name: str, cfg: TransformerConfig):
@@ -142,10 +145,7 @@ def fill_shard(out: torch.Tensor, name: str, cfg: TransformerConfig, seed: int, 
         flat[real:].zero_()
     keys = parameter_keys(seed, name)
     step = chunk or chunk_elements(out.device)
-    starts = range(0, real, step)
-    if is_fake(out):  # the dry run's tensors hold no values: one chunk shows the ops and memory of all
-        starts = starts[:1]
-    for start in starts:
+    for start in range(0, real, step):
         stop = min(start + step, real)
         j = torch.arange(start, stop, dtype=torch.int64, device=out.device)
         if sharded and skip and out.numel() > block:

@@ -9,8 +9,9 @@ output and lse (Dao 2023): ``P = exp(S*scale - lse)``, ``D = rowsum(dO*O)``, ``d
 is the block's slice of the full softmax, so the block gradients sum to the full ones.
 
 Torch's fused kernels already return the lse and take it back, so each device uses its own:
-the CPU flash kernel, CUDA's memory-efficient kernel, and plain torch (one block's scores
-materialised) for anything else. Keys and values come with as many heads as the queries.
+the CPU flash kernel, an accelerator's memory-efficient kernel (every device that is not the CPU
+takes the GPU's path), and plain torch (one block's scores materialised) for the shapes and
+dtypes that kernel does not take. Keys and values come with as many heads as the queries.
 
 A block may also carry an additive ``mask`` ([b, 1, sq, sk], 0 or -inf: documents of a packed
 sequence, ``parallel.document_masks``), which replaces ``causal``. On a GPU a masked block takes
@@ -63,9 +64,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 def _kernels(q: torch.Tensor, masked: bool = False):
     if q.device.type == "cpu":
         return _cpu_forward, _cpu_backward
-    # The PrivateUse1 backend is the dry run's stand-in GPU: it must take the GPU's path.
-    gpu = q.device.type in ("cuda", torch._C._get_privateuse1_backend_name())
-    if gpu and not masked and q.dtype in _FUSED_GPU_DTYPES and q.shape[-1] % 8 == 0:
+    if not masked and q.dtype in _FUSED_GPU_DTYPES and q.shape[-1] % 8 == 0:
         return _efficient_forward, _efficient_backward
     return _math_forward, _math_backward
 

@@ -11,11 +11,9 @@ are reordered by local expert, so each local expert's tokens are one contiguous 
 step is differentiable: gathers backward into scatter-adds and the exchange's backward is the
 reverse exchange.
 
-Fake tensors (the dry run, ``training.dry_run``) have no values, so the routing cannot be read:
-there, and only there, the plan assumes balanced routing, which is also the memory plan's
-assumption. Each expert receives ``T * k / E`` of a rank's ``T * k`` assignments (the first
-``T * k mod E`` experts one more; at most ``capacity`` each), every EP rank sends and receives
-alike, and no value is read on the host. The shapes, collectives and kernels are the real ones.
+Balanced routing (``balanced_counts``) is the memory plan's assumption: each expert receives
+``T * k / E`` of a rank's ``T * k`` assignments (the first ``T * k mod E`` experts one more; at most
+``capacity`` each). The dry run, whose tensors hold no values, plans with it (``training.fake_gpu``).
 
 Capacity (``capacity_factor``): each expert takes at most ``capacity`` of one rank's assignments;
 among those routed to it, the ones with the highest routing weight are kept (ties: the earlier
@@ -30,7 +28,6 @@ import math
 from typing import List, NamedTuple, Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from megatron_hydra.parallel import collectives as C
 
@@ -61,29 +58,8 @@ def balanced_counts(num_assignments: int, num_experts: int, cap: Optional[int] =
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``bincount(experts, minlength=num_experts)``; balanced for fake tensors, whose values are
-    unknown (bincount's output shape depends on them)."""
-    if is_fake(experts):
-        return experts.new_tensor(balanced_counts(experts.numel(), num_experts))
+    """``bincount(experts, minlength=num_experts)``."""
     return torch.bincount(experts.reshape(-1), minlength=num_experts)
-
-
-def _balanced_plan(indices: torch.Tensor, num_experts: int, group, cap: Optional[int]) -> Plan:
-    """``plan`` for fake tensors: balanced routing, identical on every EP rank (module docstring)."""
-    experts = indices.reshape(-1)
-    per_expert = balanced_counts(experts.numel(), num_experts, cap)
-    ep, me = C.group_size(group), C.group_rank(group)
-    local = num_experts // ep
-    counts = experts.new_tensor(per_expert)
-    C.all_to_all(counts, group, kind="ep_a2a")  # the exchange a run makes, its values unread
-    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
-    mine = per_expert[me * local:(me + 1) * local]
-    kept = torch.argsort(experts, stable=True)[:sum(per_expert)]
-    to_expert = to_source = None
-    if ep > 1:  # two permutations of the received rows, as a run holds (their values are unknown anyway)
-        to_expert, to_source = (torch.arange(ep * sum(mine), device=indices.device) for _ in range(2))
-    return Plan(kept, kept // indices.shape[1], send, [sum(mine)] * ep, [ep * n for n in mine], to_expert,
-                to_source, experts.numel() - kept.numel())
 
 
 def _within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
@@ -100,8 +76,6 @@ def plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, group,
          cap: Optional[int] = None) -> Plan:
     """The plan for routing ``indices`` / ``weights`` ([T, k]) over EP ``group`` (None or size 1:
     every expert is local). Collective over the group (the count exchange) and one host sync."""
-    if is_fake(indices):
-        return _balanced_plan(indices, num_experts, group, cap)
     k = indices.shape[1]
     experts = indices.reshape(-1)
     if cap is None:

@@ -1,6 +1,6 @@
 """The one place that touches the non-public side of ``torch.distributed.pipelining``.
 
-Two things we need are not public API in torch 2.6-2.13:
+Three things we need are not public API in torch 2.6-2.13:
 
 - **A callback after each computation of a stage.** Zero-bubble schedules add weight gradients
   to ``.grad`` by hand in their W pass (no accumulate hook fires), so a 16-bit model must fold
@@ -10,16 +10,9 @@ Two things we need are not public API in torch 2.6-2.13:
 - **A forward-only copy of a runtime schedule.** Torch's runtime schedules (interleaved
   zero-bubble, ZB-V) walk their whole action list even under ``eval()``, and a V schedule's
   backward actions then fail. ``keep_forward_actions`` keeps the forward actions only.
-- **No warm-up vote on a group that moves no data.** Before its first step a schedule has the
-  stages vote, point to point, whether every stage knows its shapes (then none infers them at
-  run time). Torch's fake process group (the dry run) delivers nothing, so the vote would read a
-  zero and fall back to run-time inference, whose metadata exchange cannot work there either.
-  When every stage was given its shapes the outcome is known: ``skip_warmup_vote`` sets it.
-
 - **The schedule's own action order.** ``action_orders`` reads the per-rank list of computations
   a runtime schedule will run (torch keeps it as ``pipeline_order``), for the contention-free
-  bubble count
-  (``planning.schedule_bubble``).
+  bubble count (``planning.schedule_bubble``).
 
 ``check_supported()`` verifies these names exist before a pipeline is built, so a torch release
 that moved them fails with one line rather than deep inside a schedule.
@@ -45,7 +38,6 @@ def check_supported() -> None:
     """One-line ConfigError if this torch lacks what the pipeline adapter relies on."""
     missing = [m for m in _STAGE_METHODS if not hasattr(pipelining.PipelineStage, m)]
     missing += [n for n in ("_ComputationType", "_PipelineScheduleRuntime") if not hasattr(_schedules, n)]
-    missing += [n for n in ("_warmup_p2p",) if not hasattr(_schedules.PipelineScheduleSingle, n)]
     if missing:
         raise ConfigError(
             f"pipeline parallelism (parallel.pipeline_model_parallel_size > 1) needs torch.distributed.pipelining as in "
@@ -98,26 +90,6 @@ def keep_forward_actions(schedule) -> None:
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
         order[rank] = [a for a in actions if a.computation_type in forward]
-
-
-def moves_no_data(group) -> bool:
-    """Whether ``group`` belongs to torch's fake backend (the dry run's process group)."""
-    import torch.distributed as dist
-
-    # "fake", or per device type as "cpu:fake,<device>:fake"
-    return group is not None and all(b.rsplit(":", 1)[-1] == "fake" for b in dist.get_backend(group).split(","))
-
-
-def skip_warmup_vote(schedule) -> None:
-    """Mark every stage of ``schedule`` as knowing its shapes (all were built with them) instead
-    of letting them vote over point-to-point (see the module docstring)."""
-    from torch.distributed.pipelining.stage import InferenceMode
-
-    def decided(stages, has_backward, p2p_done) -> None:
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = decided
 
 
 def action_orders(schedule_cls, stages_of: Callable[[int], List[int]], pp: int, num_stages: int,

@@ -10,11 +10,9 @@ the gradients would belong to a forward that never happened. ``checkpoint`` ther
 the tracker's states when the region runs forward and swaps the snapshot in for the replay, then
 puts back whatever the tracker held, so the replay neither sees nor leaves a different stream.
 
-The replay also runs under the torch-function modes that were active when the region ran forward
-(the dry run's stand-in GPU kernels, ``training.fake_gpu``). Those modes are thread-local, and
-autograd replays a region on the thread that runs its device's backward, which for an
-accelerator is not the one that ran the forward; without them the replay would take other kernels
-and save other tensors than the forward did, which ``torch.utils.checkpoint`` refuses.
+The replay runs on whichever thread autograd runs the device's backward on (for an accelerator,
+not the one that ran the forward), so whatever decides a region's kernels must hold on every
+thread: a dispatcher registration does, a thread-local torch-function mode does not.
 
 It lives in ``parallel/`` next to ``random``, whose state it must restore: it is model-agnostic
 (any callable, any layer) and model code may import it, while nothing here knows of models.
@@ -29,7 +27,7 @@ Which layers are recomputed is decided by ``recomputed_chunks``:
 
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,34 +45,19 @@ def _install(snapshot: Dict[str, Dict[str, torch.Tensor]]) -> None:
         tracker.states[name] = {d: s.clone() for d, s in states.items()}
 
 
-def _function_modes() -> list:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return list(_get_current_function_mode_stack())
-
-
 class _Replaying:
-    """The tracker as it was in forward, and the forward's torch-function modes, for the duration
-    of a replay. Re-enterable: a split backward (zero-bubble schedules: input grads, later weight
-    grads) replays a region twice."""
+    """The tracker as it was in forward, for the duration of a replay. Re-enterable: a split
+    backward (zero-bubble schedules: input grads, later weight grads) replays a region twice."""
 
     def __init__(self) -> None:
         self.forward_states = _snapshot()
-        self.forward_modes = _function_modes()
         self.outer: List[Dict[str, Dict[str, torch.Tensor]]] = []
-        self.entered: List[ExitStack] = []
 
     def __enter__(self) -> None:
         self.outer.append(_snapshot())
         _install(self.forward_states)
-        modes, active = ExitStack(), _function_modes()
-        for mode in self.forward_modes:
-            if not any(mode is m for m in active):  # missing on this (autograd's device) thread
-                modes.enter_context(mode)
-        self.entered.append(modes)
 
     def __exit__(self, *exc) -> None:  # also when torch stops a replay early, having what it needs
-        self.entered.pop().close()
         _install(self.outer.pop())
 
 

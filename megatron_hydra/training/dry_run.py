@@ -6,7 +6,7 @@ backend: every collective returns at once, every group exists) and runs on a fak
 every op. What runs is the real code of a GPU rank: ``ParallelState`` (mesh and every group),
 the model stage of this rank, ``MegatronStrategy``'s gradient buffer, the optimizer (fp32 main
 weights, distributed optimizer, fp16 loss scaler), the pipeline schedule, one
-``LMModule.optimizer_step_over`` (forward, backward, optimizer step over every micro-batch of the
+``training.step.TrainStep`` (forward, backward, optimizer step over every micro-batch of the
 global batch) and the checkpoint's save planning (the state dict of logical names and
 ``torch.distributed.checkpoint``'s local save plan; nothing is written). So it fails where the GPU
 run would: a CPU tensor meeting a GPU one, mixed dtypes under bf16/fp16, a shape that is wrong
@@ -32,6 +32,7 @@ exist here: a dry run with them is refused before it starts.
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -89,11 +90,18 @@ class RankResult:
     host_syncs: List[str] = field(default_factory=list)
     plan_static_bytes: int = 0
     plan_activation_bytes: int = 0
+    headroom_bytes: int = 0  # the plan's for this rank beyond tensors: CUDA context, NCCL, fragmentation
     save_items: int = 0
 
     @property
     def static_bytes(self) -> int:
         return sum(self.state_bytes.values())
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the device must have for this rank: the measured step peak plus the plan's headroom
+        that no tensor shows (the cross-entropy transient is a tensor: it is in the peak)."""
+        return max(self.peak_bytes, self.save_peak_bytes) + self.headroom_bytes
 
 
 def _device_bytes(snapshot: dict, device_type: str) -> Dict[str, int]:
@@ -132,7 +140,7 @@ def _memory_tracker():
 
 def _fake_batch(cfg: RunConfig, derived: Derived, ps: ParallelState) -> Dict[str, torch.Tensor]:
     tcfg = derived.transformer
-    samples = cfg.data.micro_batch_size * derived.num_microbatches
+    samples = derived.global_batch_size // derived.dp  # this data-parallel rank's share
     fields = batch_fields(tcfg.arch, samples, tcfg.seq_length, tcfg.decoder_seq_length)
     # Host tensors, as the DataLoader yields them (this cp rank's chunks); the strategy moves them
     # to the device.
@@ -169,6 +177,16 @@ def _forget_meshes() -> None:
         clear_native()
 
 
+def _name_default_backend() -> None:
+    """Tell the group which of its backends is its default (torch's fake one, a custom backend).
+    Given one backend per device type, ``init_process_group`` names a default only for NCCL, gloo or
+    a plugin it finds by its upper-case name, which misses ``fake``; ``destroy_process_group`` then
+    asks for the default's hooks and C++ prints "No backend of type 0 found" on stderr."""
+    from torch.distributed import ProcessGroup
+
+    dist.group.WORLD._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+
+
 def simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     """One training step of global rank ``rank`` on the fake group and the fake GPU."""
     with warnings.catch_warnings():
@@ -184,12 +202,14 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
     from megatron_hydra.parallel.random import seed_model_parallel, stage_seed
     from megatron_hydra.planning.memory import rank_memory
     from megatron_hydra.training.module import LMModule
-    from megatron_hydra.training.strategy import MegatronStrategy, StepThrough
+    from megatron_hydra.training.step import TrainStep
+    from megatron_hydra.training.strategy import MegatronStrategy
 
     start = time.perf_counter()
     device = fake_gpu.register()
     # The fake backend for host tensors and for the stand-in GPU's (its collectives return at once).
     dist.init_process_group(f"cpu:fake,{device.type}:fake", store=FakeStore(), rank=rank, world_size=derived.world_size)
+    _name_default_backend()
     try:
         # The mesh is built from real (host) rank tables, before anything turns fake.
         ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
@@ -200,21 +220,18 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
             with tracker:
                 with torch.device(device):
                     module = LMModule(cfg, derived, ps)
-                # Lightning's record of the module's device, which ``.to`` would set; the parameters
-                # were built there (``.to`` on fake parameters fails to swap them in place).
-                module._device = device
                 strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                             distributed_optimizer=cfg.optim.distributed_optimizer,
                                             data_parallel=cfg.parallel.data_parallel)
                 strategy.connect(module)
-                strategy._setup_model(module)
+                strategy.wrap_model(module)
                 optimizer = module.build_optimizer(strategy.grad_buffer)
                 optimizer.init_state()  # the steady step: Adam's state exists before it starts
                 tracker.track_external(module, optimizer)
+                tracker.reset_peak()  # the step's own peak (initialisation fills a tensor in one chunk here)
                 batch = strategy.batch_to_device(_fake_batch(cfg, derived, ps), device)
                 syncs_before = len(check.host_syncs)
-                loss, _, skipped = module.optimizer_step_over(batch, strategy, StepThrough(optimizer, strategy), step=0)
-                module.guard.record(0, loss, strategy.last_grad_norm, skipped)  # as training_step does
+                loss = TrainStep(module, optimizer)(batch, step=0).loss  # the guard records it, as in training
                 step_syncs = check.host_syncs[syncs_before:]
                 state = _device_bytes(tracker.get_tracker_snapshot("current"), device.type)
                 peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
@@ -238,7 +255,8 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
         loss_dtype=str(loss.dtype).replace("torch.", ""), state_bytes=state, peak_bytes=peak.get("Total", 0),
         save_peak_bytes=save_peak.get("Total", 0), host_peak_bytes=host_peak.get("Total", 0), host_syncs=step_syncs,
         plan_static_bytes=plan.static_bytes,
-        plan_activation_bytes=plan.activation_bytes, save_items=save_items)
+        plan_activation_bytes=plan.activation_bytes,
+        headroom_bytes=plan.context_bytes + plan.nccl_bytes + plan.fragmentation_bytes, save_items=save_items)
 
 
 def check_runnable(cfg: RunConfig) -> None:
@@ -293,31 +311,89 @@ def _simulate_in_own_process(cfg: RunConfig, derived: Derived, ranks: List[int])
     return [simulate_rank(cfg, derived, r) for r in ranks]
 
 
-def table(cfg: RunConfig, derived: Derived, results: List[RankResult]) -> str:
-    """Measured bytes per rank beside ``mode=plan``'s (GiB)."""
+def table(cfg: RunConfig, derived: Derived, results: List[RankResult], device: Optional[DeviceMemory] = None) -> str:
+    """Measured bytes per rank beside ``mode=plan``'s (GiB); with ``device``, what each rank needs
+    against it, a rank that does not fit marked ``!``."""
     cp = f" x cp {derived.cp}" if derived.cp > 1 else ""
     head = (f"dry run: model={cfg.model.name}, {derived.world_size} ranks = tp {derived.tp} x pp {derived.pp}{cp} x dp "
             f"{derived.dp}; {cfg.precision.params_dtype}; {derived.num_microbatches} micro-batches of "
             f"{cfg.data.micro_batch_size}; one step per rank on the fake process group and a fake GPU")
-    cols = ("state", "plan state", "ratio", "step peak", "activations", "plan act.", "save peak", "syncs", "seconds")
+    cols = ("state", "plan state", "ratio", "step peak", "activations", "plan act.", "save peak", "needs", "syncs",
+            "seconds")
     lines = [head, f"{'rank':>6} {'position':<16}" + "".join(f"{c:>12}" for c in cols) + "   (GiB)"]
     for r in results:
         act = max(0, r.peak_bytes - r.static_bytes)
         ratio = r.static_bytes / r.plan_static_bytes if r.plan_static_bytes else float("nan")
         values = (f"{r.static_bytes / GIB:.2f}", f"{r.plan_static_bytes / GIB:.2f}", f"{ratio:.3f}",
                   f"{r.peak_bytes / GIB:.2f}", f"{act / GIB:.2f}", f"{r.plan_activation_bytes / GIB:.2f}",
-                  f"{r.save_peak_bytes / GIB:.2f}", str(len(r.host_syncs)), f"{r.seconds:.1f}")
-        lines.append(f"{r.rank:>6} {r.position:<16}" + "".join(f"{v:>12}" for v in values))
+                  f"{r.save_peak_bytes / GIB:.2f}", f"{r.needed_bytes / GIB:.2f}", str(len(r.host_syncs)),
+                  f"{r.seconds:.1f}")
+        flag = " !" if device is not None and r.needed_bytes > device.bytes else ""
+        lines.append(f"{r.rank:>6} {r.position:<16}" + "".join(f"{v:>12}" for v in values) + flag)
     syncs = sorted({s for r in results for s in r.host_syncs})
     if syncs:
         lines.append("host syncs in the step (a GPU waits for each): " + "; ".join(syncs))
     lines.append("state = weights + grads + fp32 main weights + optimizer state + pipeline buffers after the step "
-                 "(MemTracker); activations = step peak - state")
+                 "(MemTracker); activations = step peak - state; needs = the larger of step and save peak + the "
+                 "plan's headroom beyond tensors (CUDA context, NCCL buffers, allocator fragmentation)")
+    if device is not None:
+        worst = max(results, key=lambda r: r.needed_bytes)
+        short = [r for r in results if r.needed_bytes > device.bytes]
+        verdict = f"{len(short)} of {len(results)} ranks do NOT fit (marked !)" if short else "every rank fits"
+        lines.append(f"device memory {device.bytes / GIB:.2f} GiB ({device.source}); needs up to "
+                     f"{worst.needed_bytes / GIB:.2f} GiB on rank {worst.rank}: {verdict}")
     return "\n".join(lines)
 
 
+@dataclass
+class DeviceMemory:
+    """One GPU's memory as the dry run compares it, and the config the memory plan is asked with
+    for fixes (its ``trainer.device_memory_gb`` set where the size came from ``cluster=``)."""
+
+    bytes: int
+    source: str
+    cfg: RunConfig
+
+
+def device_memory(cfg: RunConfig) -> DeviceMemory:
+    """The GPU of ``cluster=`` when one is given (its ``memory_gb``, read as ``mode=plan_layouts``
+    reads it), else the trainer's GPU as ``mode=plan`` knows it (``planning.memory.device_memory``:
+    ``trainer.device_memory_gb``, the GPU's report, or the assumed size)."""
+    from megatron_hydra.planning.memory import device_memory as plan_device_memory
+
+    if cfg.cluster is not None and cfg.trainer.device_memory_gb is None:
+        sized = copy.deepcopy(cfg)
+        sized.trainer.device_memory_gb = cfg.cluster.memory_gb
+        return DeviceMemory(int(cfg.cluster.memory_gb * GIB), f"cluster={cfg.cluster.name}: {cfg.cluster.gpu}", sized)
+    size, source = plan_device_memory(cfg)
+    return DeviceMemory(size, source, cfg)
+
+
+def check_fits(derived: Derived, results: List[RankResult], device: DeviceMemory) -> None:
+    """One-line ConfigError naming the ranks that need more than a device has, and the single
+    changes the memory plan suggests (``planning.fit.fixes``, cheapest first)."""
+    from megatron_hydra.planning.fit import fixes
+    from megatron_hydra.planning.memory import plan_memory
+
+    short = [r for r in results if r.needed_bytes > device.bytes]
+    if not short:
+        return
+    worst = max(short, key=lambda r: r.needed_bytes)
+    plan = plan_memory(device.cfg, derived)
+    suggestions = fixes(device.cfg, derived, plan) or ["a larger trainer.devices x trainer.num_nodes or a smaller model"]
+    ranks = ", ".join(str(r.rank) for r in short)
+    raise ConfigError(
+        f"mode=dry_run: rank{'s' * (len(short) > 1)} {ranks} need{'s' * (len(short) == 1)} up to "
+        f"{worst.needed_bytes / GIB:.2f} GiB (rank {worst.rank}, {worst.position}) but a device has "
+        f"{device.bytes / GIB:.2f} GiB ({device.source}), short by {(worst.needed_bytes - device.bytes) / GIB:.2f} GiB: "
+        f"the memory plan suggests {'; or '.join(suggestions)} (trainer.device_memory_gb overrides the device size)")
+
+
 def run_dry_run(cfg: RunConfig, derived: Derived) -> List[RankResult]:
-    """``mode=dry_run``: simulate, print the table, return the results."""
+    """``mode=dry_run``: simulate, print the table, return the results; a ConfigError after the
+    table when a rank needs more than a device has (``check_fits``)."""
+    device = device_memory(cfg)
     results = dry_run(cfg, derived, cfg.dry_run.ranks)
-    print(table(cfg, derived, results))
+    print(table(cfg, derived, results, device))
+    check_fits(derived, results, device)
     return results

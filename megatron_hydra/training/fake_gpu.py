@@ -70,6 +70,10 @@ class _DeviceModule:
     when it forks random states or synchronises. A fake device has no random state: an empty one
     is saved and restored."""
 
+    # Fake tensors hold no values: ``models.init`` fills each one as a single chunk (the same ops,
+    # none of the loop), and the dry run measures the step's peak from after initialisation.
+    init_chunk_elements = 1 << 62
+
     def is_available(self) -> bool:
         return _active
 
@@ -161,7 +165,24 @@ def register(own_process: bool = False) -> torch.device:
                           f"{name!r}: run the dry run in its own process")
     backend_registration._setup_privateuseone_for_python_backend(rename=FAKE_DEVICE, backend_module=_DeviceModule(),
                                                                  hook=_Hooks())
+    _register_gpu_kernels()
     return torch.device(FAKE_DEVICE, 0)
+
+
+# The stand-in's kernel choices, kept alive for the process (a dropped Library unregisters them).
+_KERNELS: List[torch.library.Library] = []
+
+
+def _register_gpu_kernels() -> None:
+    """Attention and RMSNorm take the GPU's fused kernels on the stand-in (``_fused_attention``,
+    ``_fused_rms_norm``), as kernels of the device's own dispatch key rather than a torch-function
+    mode: a mode is thread-local, and autograd runs a device's backward, activation recompute's
+    replay among it, on a thread of its own, where a mode of the forward's thread is not active.
+    Both ops are composites; a kernel for the device's autograd key takes their place there only."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", _fused_attention, "AutogradPrivateUse1")
+    lib.impl("rms_norm", _fused_rms_norm, "AutogradPrivateUse1")
+    _KERNELS.append(lib)
 
 
 def caller() -> str:
@@ -224,9 +245,10 @@ class DeviceAndDtypeCheck(TorchDispatchMode):
 
 
 class _AsOnGpu(TorchFunctionMode):
-    """What would take another path on a GPU than on the stand-in: attention and RMSNorm run the
-    GPU's fused kernels (``_fused_attention``, ``_fused_rms_norm``); ``pin_memory`` has no meaning for fake tensors (the tensor
-    stands for its pinned self); host tensors with a known value move through ``_to_device``."""
+    """What a GPU's host side does otherwise than the stand-in's, on the forward's thread only (the
+    GPU's kernel choices are dispatcher registrations instead, ``_register_gpu_kernels``, which
+    hold on every thread): ``pin_memory`` has no meaning for fake tensors (the tensor stands for
+    its pinned self); host tensors with a known value move through ``_to_device``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -238,10 +260,6 @@ class _AsOnGpu(TorchFunctionMode):
         if func is torch.tensor and device is not None and torch.device(device).type != "cpu":
             host = func(*args, **{**kwargs, "device": "cpu", "requires_grad": False})
             return _to_device(host, torch.device(device), host.dtype).requires_grad_(kwargs.get("requires_grad", False))
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return _fused_attention(*args, **kwargs)
-        if func is torch.nn.functional.rms_norm:
-            return _fused_rms_norm(*args, **kwargs)
         if func is torch.Tensor.to and getattr(args[0], "constant", None) is not None:
             to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
             device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
@@ -296,6 +314,86 @@ def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> 
     return torch.empty(host.shape, dtype=dtype, device=device).copy_(host)
 
 
+def _balanced_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, group, cap: Optional[int] = None):
+    """``parallel.expert_dispatch.plan`` for tensors without values: balanced routing (the memory
+    plan's assumption), identical on every EP rank, no host read. The shapes, the count exchange
+    and the kernels are a run's."""
+    from megatron_hydra.parallel import collectives as C
+    from megatron_hydra.parallel.expert_dispatch import Plan, balanced_counts
+
+    experts = indices.reshape(-1)
+    per_expert = balanced_counts(experts.numel(), num_experts, cap)
+    ep, me = C.group_size(group), C.group_rank(group)
+    local = num_experts // ep
+    C.all_to_all(experts.new_tensor(per_expert), group, kind="ep_a2a")  # the exchange a run makes, unread
+    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+    mine = per_expert[me * local:(me + 1) * local]
+    kept = torch.argsort(experts, stable=True)[:sum(per_expert)]
+    to_expert = to_source = None
+    if ep > 1:  # two permutations of the received rows, as a run holds
+        to_expert, to_source = (torch.arange(ep * sum(mine), device=indices.device) for _ in range(2))
+    return Plan(kept, kept // indices.shape[1], send, [sum(mine)] * ep, [ep * n for n in mine], to_expert,
+                to_source, experts.numel() - kept.numel())
+
+
+def _balanced_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``expert_counts`` without values: bincount's output shape would depend on them."""
+    from megatron_hydra.parallel.expert_dispatch import balanced_counts
+
+    return experts.new_tensor(balanced_counts(experts.numel(), num_experts))
+
+
+def _routing_without_values() -> ExitStack:
+    """The expert routing's data-dependent steps answered with balanced routing while the dry run
+    runs, and only then (the two functions ``models.moe`` calls through their module)."""
+    from unittest import mock
+
+    from megatron_hydra.parallel import expert_dispatch
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(expert_dispatch, "plan", _balanced_plan))
+    stack.enter_context(mock.patch.object(expert_dispatch, "expert_counts", _balanced_counts))
+    return stack
+
+
+def _settled_vote(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
+    """Torch's pipeline warm-up vote as the job's ranks would settle it. Before its first step a
+    schedule has its stages vote, point to point, whether every stage knows its shapes (then none
+    infers them at run time). The fake group delivers nothing, so the vote would read a zero and
+    fall back to run-time inference, whose metadata exchange cannot work there either. Every rank
+    builds its stages alike, so when this rank's stages all know their shapes, so do the job's."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    known = all(isinstance(s, PipelineStage) and not InferenceMode.needs_dynamic(s._user_meta, has_backward)
+                for s in stages)
+    if not known:
+        vote = next(_VOTES[c] for c in type(schedule).__mro__ if c in _VOTES)
+        return vote(schedule, stages, has_backward, p2p_done)
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+# The classes defining torch's vote (``_warmup_p2p``), each with its own; empty where torch has none.
+_VOTES: dict = {}
+
+
+def _vote_settled() -> ExitStack:
+    """``_settled_vote`` in place of torch's pipeline warm-up vote while the dry run runs."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        owner = next((c for c in cls.__mro__ if "_warmup_p2p" in vars(c)), None)
+        if owner is not None and owner not in _VOTES:
+            _VOTES[owner] = vars(owner)["_warmup_p2p"]
+    stack = ExitStack()
+    for owner in _VOTES:
+        stack.enter_context(mock.patch.object(owner, "_warmup_p2p", _settled_vote))
+    return stack
+
+
 @contextmanager
 def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndDtypeCheck]:
     """Within the block every tensor is fake and every op is checked; only where ``registered()``."""
@@ -307,6 +405,8 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(check)
         stack.enter_context(_AsOnGpu())
+        stack.enter_context(_routing_without_values())
+        stack.enter_context(_vote_settled())
         _active = True
         try:
             yield check
