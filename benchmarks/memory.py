@@ -10,7 +10,7 @@ Settings run round-robin, ``repeats`` times after a warm-up, and the median coun
 change on the machine hits every setting alike; the ratios use CPU time, which other processes
 competing for the cores do not inflate (on an idle machine the two agree).
 Ratios are against no recompute, measured in the same run; the formula column is the memory
-plan's per-layer formula (``planning.memory.activation_bytes_per_layer``) for the same shape.
+plan's per-layer formula (``planning.activations.activation_bytes_per_layer``) for the same shape.
 Dropout defaults to 0, as in ``conf/model/gpt_125m.yaml``: attention then runs torch's fused CPU
 kernel, as it does on GPU. With ``--dropout 0.1`` (the paper's setting) CPU attention falls back to
 the unfused path, whose s^2 softmax and dropout tensors the formula counts, and CPU dropout
@@ -43,7 +43,7 @@ from megatron_hydra.models.transformer import Block  # noqa: E402
 from megatron_hydra.parallel.random import seed_model_parallel  # noqa: E402
 from megatron_hydra.parallel.recompute import run_layers  # noqa: E402
 from megatron_hydra.parallel.state import ParallelState  # noqa: E402
-from megatron_hydra.planning.memory import activation_bytes_per_layer  # noqa: E402
+from megatron_hydra.planning.activations import activation_bytes_per_layer  # noqa: E402
 
 SETTINGS = {"none": None, "selective": "selective", "full": "full"}
 SMALL_RUN = ["data=synthetic", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",

@@ -20,7 +20,8 @@ from megatron_hydra.models.transformer import Block
 from megatron_hydra.parallel.random import seed_model_parallel
 from megatron_hydra.parallel.recompute import run_layers
 from megatron_hydra.parallel.state import ParallelState
-from megatron_hydra.planning.memory import activation_bytes_per_layer, plan_memory, rank_memory
+from megatron_hydra.planning.activations import activation_bytes_per_layer
+from megatron_hydra.planning.memory import plan_memory, rank_memory
 
 # Paper formulas ------------------------------------------------------------------------------------
 

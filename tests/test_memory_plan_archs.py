@@ -161,3 +161,29 @@ def test_plan_layouts_commands_derive(model):
         assert (derived.world_size, derived.tp, derived.pp, derived.dp, run.data.micro_batch_size) == (
             64, lay.tp, lay.pp, lay.dp, lay.micro_batch)
         check_fits(run, derived)
+
+
+def test_the_plan_modules_import_no_cycle():
+    """``planning.memory`` builds on ``planning.memory_archs``, which builds on the shared
+    per-layer formulas below both; imports inside functions count, since they run all the same."""
+    import ast
+    from pathlib import Path
+
+    import megatron_hydra.planning as planning
+
+    folder = Path(planning.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        graph[path.stem] = {n.split(".")[2] for n in names if n.startswith("megatron_hydra.planning.")} - {path.stem}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    cycles = sorted(m for m in graph if reaches(m, m))
+    assert not cycles, f"planning modules on an import cycle: {cycles}"

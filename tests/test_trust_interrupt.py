@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, launch_cmd, launch_py, read_metrics, run_training
+from conftest import SMALL, launch_cmd, launch_py, run_training
 
 NOTICE = ("SIGINT: every rank saves a checkpoint at the next step boundary and stops "
           "(send SIGINT again to stop at once, without saving)")

@@ -257,7 +257,6 @@ def test_our_error_raised_in_a_dataloader_worker_is_still_one_line(tmp_path):
     the launcher and rank<N>.error still show our one line."""
     import sys
 
-    import torch.utils.data._utils.worker  # noqa: F401 - ExceptionWrapper's home on every torch 2.x
     from torch._utils import ExceptionWrapper
 
     from megatron_hydra.errors import one_line

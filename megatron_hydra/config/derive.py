@@ -8,7 +8,10 @@ raises ``ConfigError`` with one line that names the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import typing
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -17,38 +20,11 @@ import torch
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
 from megatron_hydra.config.ranges import check_ranges
-from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
+from megatron_hydra.config.schema import FP8Config, ModelConfig, RunConfig
+from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig, by_name
 from megatron_hydra.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHOICES = {
-    "model.arch": ("gpt", "bert", "t5"),
-    "model.position_embedding": ("learned", "rope", "relative"),
-    "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "gelu_tanh", "swiglu", "relu", "geglu"),
-    "precision.params_dtype": ("float32", "bfloat16", "float16", "float64"),
-    "optim.lr_schedule": ("cosine", "linear", "constant"),
-    "optim.name": ("adamw",),
-    "trainer.accelerator": ("cpu", "gpu"),
-    "data.name": ("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft"),
-    "data.tokenizer.type": ("byte", "hf", "sentencepiece", "bpe", "gpt2_bpe", "tiktoken"),
-    "mode": ("train", "plan", "plan_layouts", "dry_run"),
-    "recompute.method": ("uniform", "block"),
-    "checkpoint.resume": ("auto", "none"),
-    "parallel.pipeline_schedule": ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
-    "model.transformer_impl": ("local", "transformer_engine"),
-    "optim.impl": ("auto", "fused", "foreach", "apex"),
-    "parallel.data_parallel": ("ddp", "fsdp"),
-    "parallel.cp_comm_type": ("p2p", "a2a"),
-}
-# precision.fp8's choices, checked when it is set (precision=fp8).
-FP8_CHOICES = {
-    "precision.fp8.recipe": ("delayed", "current"),
-    "precision.fp8.format": ("hybrid", "e4m3"),
-    "precision.fp8.amax_compute_algo": ("max", "most_recent"),
-}
-
 
 # Keys a preset may leave as ``auto``: ``config.machine.resolve`` picks them for the machine before
 # derive runs; derive itself never looks at the machine.
@@ -98,11 +74,28 @@ def _check_resolved(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be {what} or auto")
 
 
-def _check_choices(cfg: RunConfig) -> None:
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
+@functools.lru_cache(maxsize=None)
+def _schema_fields(cls: type) -> Tuple[Tuple[str, Optional[tuple], Optional[type]], ...]:
+    """(name, the choices ``schema.one_of`` lists or None, the nested schema class or None) of
+    each field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        nested = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+        out.append((f.name, f.metadata.get("choices"), nested[0] if nested else None))
+    return tuple(out)
+
+
+def _check_choices(node, cls: type = RunConfig, prefix: str = "") -> None:
+    """Every key that lists its choices in the schema holds one of them; a nested config left
+    null (precision.fp8, model.moe, cluster) has nothing to check."""
+    for name, allowed, nested in _schema_fields(cls):
+        value, key = getattr(node, name), prefix + name
+        if allowed is not None and value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            raise ConfigError(f"{key}={value!r} is not supported: use one of {shown}")
+        if nested is not None and value is not None:
+            _check_choices(value, nested, key + ".")
 
 
 def _check_positive(cfg: RunConfig) -> None:
@@ -295,8 +288,6 @@ def _check_pipeline(cfg: RunConfig, pp: int, vpp: int, dp: int, nmb: int) -> Non
 def _check_recompute(cfg: RunConfig, layers_per_stage: Tuple[int, ...]) -> None:
     """Megatron's recompute settings: ``num_layers`` counts layers of one pipeline stage (chunk)."""
     rc = cfg.recompute
-    if rc.granularity not in (None, "full", "selective"):
-        raise ConfigError(f"recompute.granularity={rc.granularity!r} is not supported: use null, full or selective")
     if rc.granularity != "full":
         return
     n, largest = rc.num_layers, max(layers_per_stage)
@@ -356,9 +347,6 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
         raise ConfigError("optim.impl=apex (FusedAdam) has no float64 kernel: use optim.impl=auto")
     if fp8 is None:
         return
-    for key, allowed in FP8_CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not supported: use one of {', '.join(allowed)}")
     if m.transformer_impl != "transformer_engine":
         raise ConfigError("precision.fp8 runs FP8 matmuls through Transformer Engine: set "
                           "model.transformer_impl=transformer_engine, or use precision=bf16")
@@ -459,12 +447,9 @@ def _check_fsdp(cfg: RunConfig, pp: int) -> None:
                           "parallel.pipeline_parallel_size=1, or parallel.data_parallel=ddp")
 
 
-def _fp8_recipe(cfg: RunConfig):
+def _fp8_recipe(cfg: RunConfig) -> Optional[FP8Recipe]:
     fp8 = cfg.precision.fp8
-    if fp8 is None:
-        return None
-    return FP8Recipe(recipe=fp8.recipe, format=fp8.format, amax_history_len=fp8.amax_history_len,
-                     amax_compute_algo=fp8.amax_compute_algo, margin=fp8.margin)
+    return None if fp8 is None else FP8Recipe(**by_name(fp8, FP8Config, FP8Recipe))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -472,6 +457,26 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     ``divisible_by`` (fast matmul shapes, equal shards)."""
     multiple = divisible_by * tp
     return multiple * math.ceil(vocab_size / multiple)
+
+
+def _transformer_config(cfg: RunConfig, tp: int, cp: int, **resolved) -> TransformerConfig:
+    """Every ``model.*`` key TransformerConfig names, as it is; then the values derive resolved
+    (``resolved``: nulls filled in, checked shapes), the family's own, and the other groups'."""
+    m, arch = cfg.model, cfg.model.arch
+    family = dict(
+        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
+        softmax_scale=1.0 if arch == "t5" else None,
+        binary_head=arch == "bert" and m.binary_head,
+        num_decoder_layers=(m.num_decoder_layers or m.num_layers) if arch == "t5" else 0,
+        decoder_seq_length=(m.decoder_seq_length or m.seq_length) if arch == "t5" else 0,
+    )
+    others = dict(
+        sequence_parallel=cfg.parallel.sequence_parallel, context_parallel_size=cp,
+        cp_comm_type=cfg.parallel.cp_comm_type, params_dtype=DTYPES[cfg.precision.params_dtype],
+        recompute_granularity=cfg.recompute.granularity, recompute_method=cfg.recompute.method,
+        recompute_num_layers=cfg.recompute.num_layers, fp8=_fp8_recipe(cfg),
+    )
+    return TransformerConfig(**{**by_name(m, ModelConfig, TransformerConfig), **resolved, **family, **others})
 
 
 def derive(cfg: RunConfig) -> Derived:
@@ -524,46 +529,9 @@ def derive(cfg: RunConfig) -> Derived:
             f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds the decay length {decay} "
             "(optim.decay_steps, or trainer.max_steps when unset): lower warmup_steps"
         )
-    transformer = TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=groups,
-        kv_channels=kv_channels,
-        ffn_hidden_size=ffn,
-        seq_length=m.seq_length,
-        max_position_embeddings=max_pos,
-        vocab_size=m.vocab_size,
-        padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
-        position_embedding=m.position_embedding,
-        rope_theta=m.rope_theta,
-        normalization=m.normalization,
-        norm_eps=m.norm_eps,
-        activation=m.activation,
-        add_bias_linear=m.add_bias_linear,
-        tie_embeddings=m.tie_embeddings,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_std=m.init_std,
-        sequence_parallel=par.sequence_parallel,
-        context_parallel_size=cp,
-        cp_comm_type=par.cp_comm_type,
-        params_dtype=DTYPES[cfg.precision.params_dtype],
-        recompute_granularity=cfg.recompute.granularity,
-        recompute_method=cfg.recompute.method,
-        recompute_num_layers=cfg.recompute.num_layers,
-        arch=m.arch,
-        softmax_scale=1.0 if m.arch == "t5" else None,
-        binary_head=m.arch == "bert" and m.binary_head,
-        num_decoder_layers=(m.num_decoder_layers or m.num_layers) if m.arch == "t5" else 0,
-        decoder_seq_length=(m.decoder_seq_length or m.seq_length) if m.arch == "t5" else 0,
-        relative_attention_num_buckets=m.relative_attention_num_buckets,
-        relative_attention_max_distance=m.relative_attention_max_distance,
-        transformer_impl=m.transformer_impl,
-        fp8=_fp8_recipe(cfg),
-        moe=moe,
-        moe_layers=moe_layers,
-    )
+    transformer = _transformer_config(cfg, tp, cp, num_query_groups=groups, kv_channels=kv_channels,
+                                      ffn_hidden_size=ffn, max_position_embeddings=max_pos, moe=moe,
+                                      moe_layers=moe_layers)
     trainer = cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)
     return Derived(

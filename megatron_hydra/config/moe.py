@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.config.transformer_config import MoESpec
+from megatron_hydra.config.schema import MoEConfig, RunConfig
+from megatron_hydra.config.transformer_config import MoESpec, by_name
 from megatron_hydra.errors import ConfigError
 
-ROUTERS = ("softmax", "sigmoid")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 
 
@@ -50,8 +49,6 @@ def moe_spec(cfg: RunConfig, ffn: int, dp: int, tp: int, cp: int) -> Tuple[Optio
     if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} and model.moe.top_k={moe.top_k} need "
                           "1 <= top_k <= num_experts")
-    if moe.router not in ROUTERS:
-        raise ConfigError(f"model.moe.router={moe.router!r} is not supported: use one of {', '.join(ROUTERS)}")
     if cfg.model.activation not in ACTIVATIONS:
         raise ConfigError(f"model.activation={cfg.model.activation} has no expert MLP: use one of {', '.join(ACTIVATIONS)}")
     if min(moe.aux_loss_coeff, moe.z_loss_coeff, moe.expert_bias_rate) < 0:
@@ -77,8 +74,6 @@ def moe_spec(cfg: RunConfig, ffn: int, dp: int, tp: int, cp: int) -> Tuple[Optio
     if cp > 1 and par.sequence_parallel:
         raise ConfigError("model.moe with both parallel.context_parallel_size > 1 and parallel.sequence_parallel "
                           "is not supported (the router's losses would need a cp x tp group): turn one off")
-    spec = MoESpec(num_experts=moe.num_experts, ffn_hidden_size=expert_ffn, top_k=moe.top_k, router=moe.router,
-                   norm_topk=moe.norm_topk, aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff,
-                   expert_bias_rate=moe.expert_bias_rate, capacity_factor=moe.capacity_factor,
-                   shared_ffn_hidden_size=moe.shared_ffn_hidden_size)
+    # Every model.moe key MoESpec names, as it is; the expert size resolved (layer_freq: the layers).
+    spec = MoESpec(**{**by_name(moe, MoEConfig, MoESpec), "ffn_hidden_size": expert_ffn})
     return spec, _layers(moe.layer_freq, cfg.model.num_layers)

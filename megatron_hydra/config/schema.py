@@ -14,6 +14,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+def one_of(*allowed: Optional[str]) -> Any:
+    """A key that takes only these values, the first its default. The choices stand beside the
+    key they belong to, and ``config.derive`` checks every such key against them."""
+    return field(default=allowed[0], metadata={"choices": allowed})
+
+
 @dataclass
 class MoEConfig:
     """Mixture of Experts (docs/moe.md): the MLP of the chosen layers becomes ``num_experts``
@@ -25,7 +31,7 @@ class MoEConfig:
     ffn_hidden_size: Optional[int] = None
     # Which layers are MoE: an int n -> layers 0, n, 2n, ... (1: every layer); or one 0/1 per layer.
     layer_freq: Any = 1
-    router: str = "softmax"  # softmax (GShard, Mixtral) | sigmoid (DeepSeek-V3)
+    router: str = one_of("softmax", "sigmoid")  # softmax (GShard, Mixtral) | sigmoid (DeepSeek-V3)
     norm_topk: bool = True  # the k routing weights renormalised to sum 1
     aux_loss_coeff: float = 0.0  # load-balancing loss (Switch/GShard)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
@@ -42,7 +48,7 @@ class ModelConfig:
 
     # A preset's name; from_checkpoint: the model checkpoint.load holds (checkpoint/model_source.py).
     name: str = "gpt_tiny"
-    arch: str = "gpt"  # gpt | bert | t5 (docs/models.md)
+    arch: str = one_of("gpt", "bert", "t5")  # docs/models.md
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 8
@@ -57,11 +63,12 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None
     vocab_size: int = 8192
     make_vocab_size_divisible_by: int = 128
-    position_embedding: str = "learned"  # learned | rope | relative (T5's buckets)
+    position_embedding: str = one_of("learned", "rope", "relative")  # relative: T5's buckets
     rope_theta: float = 10000.0
-    normalization: str = "layernorm"  # layernorm | rmsnorm
+    normalization: str = one_of("layernorm", "rmsnorm")
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama) | relu (T5) | geglu (T5 v1.1)
+    # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama) | relu (T5) | geglu (T5 v1.1)
+    activation: str = one_of("gelu", "gelu_tanh", "swiglu", "relu", "geglu")
     add_bias_linear: bool = True
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0
@@ -76,7 +83,7 @@ class ModelConfig:
     relative_attention_max_distance: int = 128
     # The layers Transformer blocks run on (Megatron-Core's switch; docs/gpu.md): local (plain
     # torch, any device) | transformer_engine (NVIDIA Transformer Engine: GPU, GPT family).
-    transformer_impl: str = "local"
+    transformer_impl: str = one_of("local", "transformer_engine")
     # Mixture of Experts (MoEConfig); null: every MLP is dense.
     moe: Optional[MoEConfig] = None
 
@@ -93,7 +100,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     # How attention exchanges keys and values across them: p2p (ring passing, overlapped with the
     # block computation) | a2a (Ulysses: all-to-all from sequence to heads; heads / tp divisible by cp).
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = one_of("p2p", "a2a")
     # Expert parallelism (model.moe): each MoE layer's experts split over this many data-parallel
     # ranks (a factor of dp), tokens dispatched to them by all-to-all.
     expert_parallel_size: int = 1
@@ -103,7 +110,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: str = one_of("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
     # None -> layers split evenly over pp * vpp stages; else one entry per stage, summing to num_layers.
     layers_per_stage: Optional[List[int]] = None
     # Bucket size (in elements) of the data-parallel gradient all-reduce.
@@ -113,7 +120,7 @@ class ParallelConfig:
     # main weights and Adam state are sharded, ZeRO-1) | fsdp (torch's FSDP2: parameters, gradients
     # and Adam state all sharded over dp x cp, each transformer block all-gathered while it runs;
     # GPT family; with pipeline parallelism the 1f1b schedule without virtual stages).
-    data_parallel: str = "ddp"
+    data_parallel: str = one_of("ddp", "fsdp")
 
 
 @dataclass
@@ -124,10 +131,10 @@ class FP8Config:
     apply to delayed scaling: the history's length, how the amax is taken from it (max |
     most_recent), and margin (scale = FP8_MAX / amax / 2^margin)."""
 
-    recipe: str = "delayed"
-    format: str = "hybrid"
+    recipe: str = one_of("delayed", "current")
+    format: str = one_of("hybrid", "e4m3")
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_compute_algo: str = one_of("max", "most_recent")
     margin: int = 0
 
 
@@ -138,7 +145,7 @@ class PrecisionConfig:
     # main weights in the optimizer and reduce grads in fp32); float64 exists so that numerics
     # tests can compare layouts at 1e-9. auto (precision=auto, the default preset): bfloat16 when
     # trainer.accelerator is gpu, else float32 (config/machine.py).
-    params_dtype: str = "float32"
+    params_dtype: str = one_of("float32", "bfloat16", "float16", "float64")
     # TF32 tensor cores for float32 matmuls and convolutions on GPU (Ampere and later): 10-bit
     # mantissa inputs, fp32 accumulation. Applied by each GPU worker; no effect on CPU.
     tf32: bool = True
@@ -160,10 +167,10 @@ class RecomputeConfig:
 
     # null: keep all activations; full: keep only each recomputed layer's input; selective: keep all
     # but core attention (softmax(QK^T)V), which is recomputed in backward.
-    granularity: Optional[str] = None
+    granularity: Optional[str] = one_of(None, "full", "selective")
     # full only. uniform: checkpoint layers in chunks of num_layers; block: checkpoint the first
     # num_layers layers of each pipeline stage, keep the rest.
-    method: str = "uniform"
+    method: str = one_of("uniform", "block")
     num_layers: int = 1
 
 
@@ -173,7 +180,7 @@ class TokenizerConfig:
     # bpe: a byte-level BPE trained on the corpus with vocab_size entries, saved next to the data;
     # gpt2_bpe: GPT-2's vocab.json + merges.txt (path: their folder, or the vocab.json with
     # merge_file); tiktoken: a tiktoken rank file such as Llama 3's tokenizer.model.
-    type: str = "byte"
+    type: str = one_of("byte", "hf", "sentencepiece", "bpe", "gpt2_bpe", "tiktoken")
     path: Optional[str] = None
     vocab_size: Optional[int] = None
     merge_file: Optional[str] = None  # gpt2_bpe: merges.txt when not beside path (Megatron's --merge-file)
@@ -181,7 +188,8 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | demo | indexed (indexed_bert, indexed_t5: its BERT / T5 presets) | sft
+    # indexed_bert, indexed_t5: indexed data as BERT / T5 samples (their presets)
+    name: str = one_of("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft")
     micro_batch_size: int = 4
     # Samples per optimizer step, over all data-parallel ranks. null -> micro_batch_size x dp x pp:
     # one micro-batch per data-parallel rank and pipeline stage, the smallest batch every pipeline
@@ -222,7 +230,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = one_of("adamw")
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -233,13 +241,13 @@ class OptimConfig:
     warmup_steps: int = 10
     # None -> trainer.max_steps.
     decay_steps: Optional[int] = None
-    lr_schedule: str = "cosine"  # cosine | linear | constant
+    lr_schedule: str = one_of("cosine", "linear", "constant")
     # ZeRO-1 as Megatron's: fp32 main weights and Adam state sharded over data-parallel ranks.
     distributed_optimizer: bool = False
     # The AdamW kernel (docs/gpu.md): auto (torch's fused AdamW on CUDA; on CPU the faster of
     # fused and foreach, as measured) | fused | foreach (torch.optim.AdamW's) | apex (NVIDIA
     # apex's FusedAdam in AdamW mode).
-    impl: str = "auto"
+    impl: str = one_of("auto", "fused", "foreach", "apex")
 
 
 @dataclass
@@ -263,8 +271,9 @@ class WandbConfig:
 @dataclass
 class TrainerConfig:
     name: str = "cpu"
-    # cpu | gpu | auto (trainer=auto, the default preset: gpu when CUDA devices are visible, else cpu).
-    accelerator: str = "cpu"
+    # auto (trainer=auto, the default preset) is resolved before derive (config/machine.py): gpu
+    # when CUDA devices are visible, else cpu.
+    accelerator: str = one_of("cpu", "gpu")
     # Ranks per node (one per GPU on GPU), or auto: the ranks an external launcher (torchrun,
     # srun) started on this node; else every visible GPU on GPU; else, on CPU, the fewest ranks
     # the layout needs (tp x pp x cp). Resolved by config/machine.py before derive.
@@ -314,7 +323,7 @@ class CheckpointConfig:
     keep_last: int = 2
     # auto: continue from the newest complete checkpoint in ``dir`` if there is one; none: never (a
     # new run: refused while ``dir`` holds checkpoints, docs/checkpoints.md).
-    resume: str = "auto"
+    resume: str = one_of("auto", "none")
     # Start from this checkpoint (any layout) when ``resume`` finds none.
     load: Optional[str] = None
     # false: load the model only, with fresh optimizer state (e.g. from a weights-only checkpoint).
@@ -376,7 +385,7 @@ class RunConfig:
     # train | plan (print the per-rank memory plan, no training) | plan_layouts (rank parallel layouts
     # for the cluster given by cluster=..., no training) | dry_run (one real step of chosen ranks of
     # the job on a CPU: fake process group, fake GPU tensors; docs/dry_run.md)
-    mode: str = "train"
+    mode: str = one_of("train", "plan", "plan_layouts", "dry_run")
     dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     # Weights, dropout and every other random stream: an integer in [0, 2**32) (numpy's and
     # Lightning's range), less 100 per pipeline stage after the first (each stage seeds with

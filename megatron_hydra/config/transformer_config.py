@@ -1,11 +1,25 @@
-"""The one config object model code sees: concrete numbers only, nothing left to derive."""
+"""The one config object model code sees: concrete numbers only, nothing left to derive.
+
+A field named as a key of the schema's node (``model.*``, ``model.moe.*``, ``precision.fp8.*``)
+holds that key's value, copied by name (``by_name``): a key added to both reaches the model with no
+line written for it. ``config.derive`` sets the other fields, and overrides the keys the model
+sees only resolved (``num_query_groups``, ``ffn_hidden_size``, ...).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+
+def by_name(node: Any, schema: type, target: type) -> Dict[str, Any]:
+    """The values of ``node`` (an instance or an OmegaConf node of dataclass ``schema``) whose
+    field names ``target`` shares."""
+    wanted = {f.name for f in dataclasses.fields(target)}
+    return {f.name: getattr(node, f.name) for f in dataclasses.fields(schema) if f.name in wanted}
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ sequence). Query i may attend to key j iff both carry the same id and j <= i.
 The mask is additive (0 where allowed, -inf elsewhere) in the scores' dtype. Plain SDPA with a
 mask computes every block of the score matrix, twice the work of causal SDPA, which skips the
 blocks above the diagonal. On CPU, torch's flash kernel takes the causal flag and a mask together
-(the public SDPA call refuses the pair), skips those blocks and applies the mask to the rest:
-measured at sequence 2048 it costs 1.2-1.6x causal SDPA in forward + backward, against 1.9-2.5x
-for SDPA with the mask alone, and FlexAttention has no CPU backward at all
-(``benchmarks/document_attention.py``; docs/data.md). Elsewhere (GPU, attention dropout) SDPA
+(the public SDPA call refuses the pair), skips those blocks and applies the mask to the rest,
+which is cheaper than SDPA with the mask alone, and FlexAttention has no CPU backward at all
+(``benchmarks/document_attention.py`` measures both; docs/data.md). Elsewhere (GPU, attention dropout) SDPA
 takes the mask. Every row keeps its diagonal under a causal mask over whole sequences, so no
 softmax row is empty there; context-parallel ring blocks can have empty rows
 (``parallel.block_attention`` handles them).

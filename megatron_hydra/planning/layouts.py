@@ -194,7 +194,7 @@ def plan_layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options
         fits, peak = memory(run_cfg, derived)
         if not fits:
             continue
-        step = estimate(derived.transformer, cfg.data.global_batch_size, layout, cluster, constants)
+        step = estimate(derived.transformer, derived.global_batch_size, layout, cluster, constants)
         found.append(Candidate(layout, step, peak, overrides(layout)))
     if not derived_any and refused is not None:
         plainest = Layout(tp=1, pp=1, dp=cluster.gpus_per_node * cluster.num_nodes, micro_batch=1)

@@ -1,7 +1,8 @@
 """What the memory plan (``planning.memory``) needs to know of each model family (``model.arch``):
 which model a chunk's parameters are counted on, which stacks of layers a chunk runs, and what
-the embedding and the head keep outside the layers. The byte rules and the per-layer formula are
-the shared plan's; this module only says how each family is put together from them.
+the embedding and the head keep outside the layers. The byte rules (``planning.state_bytes``) and
+the per-layer formula (``planning.activations``) are shared; this module only says how each
+family is put together from them.
 
 GPT (and Llama, MoE): one stack of ``activation_bytes_per_layer`` layers per chunk; the embedding
 keeps the token ids and its dropout mask, the head its norm and logits inputs and what the loss
@@ -51,6 +52,8 @@ from typing import List, Tuple
 from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning.activations import activation_bytes_per_layer, embedding_bytes, head_bytes
+
 
 @dataclass(frozen=True)
 class StackBytes:
@@ -99,8 +102,6 @@ def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: 
 def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[StackBytes]:
     """The stacks of a chunk of ``num_layers`` layers, in the order they run (T5, one chunk: its
     ``num_layers`` encoder layers, then all ``num_decoder_layers`` decoder layers)."""
-    from megatron_hydra.planning.memory import activation_bytes_per_layer
-
     def stack(n: int, shape: dict, extra=lambda **kw: 0.0) -> StackBytes:
         return StackBytes(n, *(activation_bytes_per_layer(**{**shape, "recompute": rc})
                                + extra(**{**shape, "recompute": rc}) for rc in (None, "selective", "full")))
@@ -114,8 +115,6 @@ def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[StackByt
 
 def outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:
     """Bytes per micro-batch kept by the embedding (first stage) and by the head + loss (last)."""
-    from megatron_hydra.planning.memory import embedding_bytes, head_bytes
-
     tc = derived.transformer
     s, b, h, v, m = shape["seq"] / derived.cp, shape["micro_batch"], shape["hidden"], shape["value_bytes"], shape["mask_bytes"]
     drop = tc.hidden_dropout > 0

@@ -12,11 +12,10 @@ timed runs of a square matmul at the model's hidden size (at most ``CPU_MATMUL_M
 model's dtype, with this rank's thread count. The best, not the mean, so that a run measured
 beside other load still finds what the cores do unhindered, which keeps CPU MFU stable run to run.
 On a machine whose every core other processes keep busy the best of the threads together is not
-enough: each matmul waits at its threads' barriers for a core, and measured here (2 threads,
-2 cores, load average 7) the same 256 x 256 fp32 matmul read 1.5 to 172 GFLOP/s from run to run,
-while one thread read 103 +- 1 (it needs one free core at a time, not all of them). The peak is
-therefore the larger of the threads' best together and the thread count times one thread's best
-(2 x 103 here, against 199 for two threads unhindered).
+enough: each matmul waits at its threads' barriers for a core, so the threads' best swings
+widely from run to run, while one thread needs one free core at a time, not all of them, and
+reads steadily. The peak is therefore the larger of the threads' best together and the thread
+count times one thread's best.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ GPU_NAMES: Tuple[Tuple[str, str], ...] = (
     (r"H200$|H200[ -]SXM", "H200-SXM-141GB"),
     (r"B200$|B200[ -]SXM", "B200-SXM-180GB"),
 )
-CPU_MATMUL_MAX = 512  # larger hidden sizes measure at this size: 0.27 GFLOP a matmul, a few ms on 2 cores
+CPU_MATMUL_MAX = 512  # larger hidden sizes measure at this size (2 x 512^3 FLOPs a matmul: quick, yet past the cache)
 CPU_MATMUL_RUN_S = 0.001  # one timed run: the matmul repeated for about this long (one if it takes longer)
 CPU_MATMUL_RUNS = 200  # timed runs, the best kept (fewer where the budget runs out)
 CPU_MATMUL_SECONDS = 0.1  # the budget of each of its two measurements, paid once at start-up
