@@ -231,7 +231,6 @@ class DeviceAndDtypeCheck(TorchDispatchMode):
                                   "cast to the parameters' dtype")
         return func(*args, **kwargs)
 
-
     def _host_read(self, t: torch.Tensor):
         """A tensor's value read on the host. A value fake tensors still know (small tensors
         made from Python numbers, e.g. Adam's step count, and arithmetic on them) is returned;
