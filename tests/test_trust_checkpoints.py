@@ -116,6 +116,19 @@ def test_fresh_run_into_a_directory_with_another_runs_checkpoints_is_refused(tmp
     assert names(root) == ["step_0000100", "step_0000200"] and not (tmp_path / "csv").exists()
 
 
+def test_a_save_that_missed_only_its_rename_counts_for_a_fresh_start(tmp_path):
+    """A ``step_N.tmp`` with its marker is a finished save (``clean`` moves it into place when the
+    next run starts): a fresh run into its directory is refused as for a ``step_N``."""
+    from megatron_hydra.checkpoint.plan import fresh_start
+
+    root = tmp_path / "checkpoints"
+    os.replace(fake_checkpoint(root, 300), root / "step_0000300.tmp")
+    with pytest.raises(ConfigError, match="newest: step_0000300.tmp"):
+        fresh_start(str(root))
+    (root / "step_0000300.tmp" / store.MARKER).unlink()  # an interrupted save: no checkpoint
+    fresh_start(str(root))
+
+
 def test_retention_deletes_only_checkpoints_older_than_the_one_just_written(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 100, 200):  # 100 and 200: another run's, higher than this run's steps

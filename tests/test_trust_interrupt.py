@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SMALL, launch_cmd, launch_py, run_training
 
@@ -143,3 +144,28 @@ def test_ctrl_c_before_training_is_one_line_with_status_130(tmp_path, monkeypatc
         pytest.fail("Ctrl-C before training left the launcher as a KeyboardInterrupt (a traceback)")
     assert stopped.value.exit_code == 128 + signal.SIGINT
     assert "\n" not in str(stopped.value) and "SIGINT" in str(stopped.value)
+
+
+class _HandlerOfSigint(torch.utils.data.Dataset):
+    """What SIGINT does in the DataLoader worker that reads the item."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> bool:
+        return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_loader_workers_leave_ctrl_c_to_the_training_process():
+    """In a one-process run the loader workers share the terminal's process group: a Ctrl-C that
+    ended one would fail the step that saves. Our loaders' workers ignore SIGINT."""
+    from conftest import compose_config
+    from megatron_hydra.config import derive
+    from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.train import build_dataloaders
+
+    cfg = compose_config([*SMALL, "data.num_workers=1"])
+    train_loader, _ = build_dataloaders(cfg, derive(cfg), ParallelState.single())
+    assert train_loader.worker_init_fn is not None
+    probe = torch.utils.data.DataLoader(_HandlerOfSigint(), num_workers=1, worker_init_fn=train_loader.worker_init_fn)
+    assert next(iter(probe)).tolist() == [True]

@@ -60,7 +60,7 @@ def fresh_start(root: str) -> None:
     """A one-line ``ConfigError`` when a run that does not continue the checkpoints in ``root``
     would write there: its steps would interleave with theirs, ``resume=auto`` would later take
     the newest of either run, and retention could not tell whose checkpoint it deletes."""
-    newest = store.latest(root)
+    newest = store.latest(root) or next(iter(store.unrenamed(root)[-1:]), None)
     if newest is not None:
         raise ConfigError(f"checkpoint.dir={root} already holds checkpoints (newest: {os.path.basename(newest)}) "
                           "and checkpoint.resume=none starts a new run there: continue them with "

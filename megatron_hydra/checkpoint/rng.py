@@ -63,9 +63,21 @@ def save(path: str, state: Optional[dict] = None) -> None:
     torch.save(capture() if state is None else state, path)
 
 
-def _check_generator(state) -> None:
+def _check_generator(state, device: str = "cpu") -> None:
+    """A state ``device``'s generator takes: a CPU state is tried on a generator of its own; an
+    accelerator's must have the length of this process's generator there (its ``set_rng_state``
+    would refuse another only after the host generators were already set)."""
     if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
         raise ValueError("a generator state is not a 1-d uint8 tensor")
+    kind = torch.device(device).type
+    if kind == "cpu":
+        torch.Generator().set_state(state)
+        return
+    module = getattr(torch, kind, None)
+    if module is not None and getattr(module, "is_available", lambda: False)():
+        expected = module.get_rng_state().numel()
+        if state.numel() != expected:
+            raise ValueError(f"a {kind} generator state of {state.numel()} bytes, not {expected}")
 
 
 def check(state) -> None:
@@ -81,9 +93,9 @@ def check(state) -> None:
         raise TypeError("numpy keys are not a tensor")
     np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                                        n["cached"]))
-    torch.Generator().set_state(state["torch"])
+    _check_generator(state["torch"])
     if "cuda" in state:
-        _check_generator(state["cuda"])
+        _check_generator(state["cuda"], "cuda")
     seeds, states = state["tracker_seeds"], state["tracker_states"]
     if not isinstance(seeds, dict) or not isinstance(states, dict) or set(seeds) != set(states):
         raise ValueError("the tracker's seeds and states do not match")
@@ -91,9 +103,9 @@ def check(state) -> None:
         if not isinstance(seeds[name], int) or not isinstance(by_device, dict):
             raise TypeError(f"tracker state {name!r} is malformed")
         for device, gen_state in by_device.items():
-            _check_generator(gen_state)
-            if device == "cpu":
-                torch.Generator().set_state(gen_state)
+            if not isinstance(device, str):
+                raise TypeError(f"tracker state {name!r} names a device {device!r}")
+            _check_generator(gen_state, device)
 
 
 def read(path: str) -> dict:

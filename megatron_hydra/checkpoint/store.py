@@ -91,6 +91,16 @@ def latest(root: str) -> Optional[str]:
     return done[-1] if done else None
 
 
+def unrenamed(root: str) -> List[str]:
+    """Completely written saves under ``root`` that missed only their rename (``step_N.tmp`` with
+    the marker): ``clean`` moves them into place when the next run starts, so they count as
+    checkpoints of the directory."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if _TMP_DIR.match(n) and is_complete(os.path.join(root, n)))
+
+
 def check_no_links(root: str) -> None:
     """A one-line ``CheckpointError`` for a symbolic link named like a step directory in
     ``checkpoint.dir``: the run would resume from, replace or prune what it points to, which is

@@ -13,6 +13,10 @@ Three things we need are not public API in torch 2.6-2.13:
 - **The schedule's own action order.** ``action_orders`` reads the per-rank list of computations
   a runtime schedule will run (torch keeps it as ``pipeline_order``), for the contention-free
   bubble count (``planning.schedule_bubble``).
+- **A settled warm-up vote, for the dry run only.** Before its first step a schedule has its
+  stages vote, point to point, whether every stage knows its shapes. The dry run's fake process
+  group delivers nothing, so its vote would read a zero; ``warmup_vote_settled`` stands in for
+  the vote while the dry run holds it open. Training never enters it.
 
 ``check_supported()`` verifies these names exist before a pipeline is built, so a torch release
 that moved them fails with one line rather than deep inside a schedule.
@@ -21,6 +25,7 @@ that moved them fails with one line rather than deep inside a schedule.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +43,8 @@ def check_supported() -> None:
     """One-line ConfigError if this torch lacks what the pipeline adapter relies on."""
     missing = [m for m in _STAGE_METHODS if not hasattr(pipelining.PipelineStage, m)]
     missing += [n for n in ("_ComputationType", "_PipelineScheduleRuntime") if not hasattr(_schedules, n)]
+    if not any(hasattr(c, "_warmup_p2p") for c in (_schedules.PipelineScheduleSingle, _schedules.PipelineScheduleMulti)):
+        missing.append("_warmup_p2p")
     if missing:
         raise ConfigError(
             f"pipeline parallelism (parallel.pipeline_model_parallel_size > 1) needs torch.distributed.pipelining as in "
@@ -90,6 +97,46 @@ def keep_forward_actions(schedule) -> None:
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
         order[rank] = [a for a in actions if a.computation_type in forward]
+
+
+def _settled_vote(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
+    """Torch's pipeline warm-up vote as the job's ranks would settle it. Before its first step a
+    schedule has its stages vote, point to point, whether every stage knows its shapes (then none
+    infers them at run time). The fake group delivers nothing, so the vote would read a zero and
+    fall back to run-time inference, whose metadata exchange cannot work there either. Every rank
+    builds its stages alike, so when this rank's stages all know their shapes, so do the job's."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    known = all(isinstance(s, PipelineStage) and not InferenceMode.needs_dynamic(s._user_meta, has_backward)
+                for s in stages)
+    if not known:
+        vote = next(_VOTES[c] for c in type(schedule).__mro__ if c in _VOTES)
+        return vote(schedule, stages, has_backward, p2p_done)
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+# The classes defining torch's vote (``_warmup_p2p``), each with its own; empty where torch has none.
+_VOTES: dict = {}
+
+
+def warmup_vote_settled() -> ExitStack:
+    """``_settled_vote`` in place of torch's pipeline warm-up vote, for as long as the returned
+    stack is open: what the dry run's fake process group needs (it moves no data, so the vote
+    would read a zero). Only the dry run enters it."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        owner = next((c for c in cls.__mro__ if "_warmup_p2p" in vars(c)), None)
+        if owner is not None and owner not in _VOTES:
+            _VOTES[owner] = vars(owner)["_warmup_p2p"]
+    stack = ExitStack()
+    for owner in _VOTES:
+        stack.enter_context(mock.patch.object(owner, "_warmup_p2p", _settled_vote))
+    return stack
 
 
 def action_orders(schedule_cls, stages_of: Callable[[int], List[int]], pp: int, num_stages: int,

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_hydra.errors import MegatronHydraError
+from megatron_hydra.parallel import pipeline_runtime
 
 FAKE_DEVICE = "fakegpu"
 # The dry run's device is index 0 of the stand-in: torch's autograd engine sizes its per-device
@@ -355,44 +356,6 @@ def _routing_without_values() -> ExitStack:
     return stack
 
 
-def _settled_vote(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
-    """Torch's pipeline warm-up vote as the job's ranks would settle it. Before its first step a
-    schedule has its stages vote, point to point, whether every stage knows its shapes (then none
-    infers them at run time). The fake group delivers nothing, so the vote would read a zero and
-    fall back to run-time inference, whose metadata exchange cannot work there either. Every rank
-    builds its stages alike, so when this rank's stages all know their shapes, so do the job's."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    known = all(isinstance(s, PipelineStage) and not InferenceMode.needs_dynamic(s._user_meta, has_backward)
-                for s in stages)
-    if not known:
-        vote = next(_VOTES[c] for c in type(schedule).__mro__ if c in _VOTES)
-        return vote(schedule, stages, has_backward, p2p_done)
-    for stage in stages:
-        stage._inference_mode = InferenceMode.STATIC
-
-
-# The classes defining torch's vote (``_warmup_p2p``), each with its own; empty where torch has none.
-_VOTES: dict = {}
-
-
-def _vote_settled() -> ExitStack:
-    """``_settled_vote`` in place of torch's pipeline warm-up vote while the dry run runs."""
-    from unittest import mock
-
-    from torch.distributed.pipelining import schedules
-
-    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        owner = next((c for c in cls.__mro__ if "_warmup_p2p" in vars(c)), None)
-        if owner is not None and owner not in _VOTES:
-            _VOTES[owner] = vars(owner)["_warmup_p2p"]
-    stack = ExitStack()
-    for owner in _VOTES:
-        stack.enter_context(mock.patch.object(owner, "_warmup_p2p", _settled_vote))
-    return stack
-
-
 @contextmanager
 def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndDtypeCheck]:
     """Within the block every tensor is fake and every op is checked; only where ``registered()``."""
@@ -405,7 +368,7 @@ def fake_gpu(check: Optional[DeviceAndDtypeCheck] = None) -> Iterator[DeviceAndD
         stack.enter_context(check)
         stack.enter_context(_AsOnGpu())
         stack.enter_context(_routing_without_values())
-        stack.enter_context(_vote_settled())
+        stack.enter_context(pipeline_runtime.warmup_vote_settled())
         _active = True
         try:
             yield check

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import warnings
+from functools import partial
 from typing import Optional
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.seed import pl_worker_init_function
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
@@ -88,12 +91,22 @@ def build_dataloaders(cfg: RunConfig, derived: Derived, ps: ParallelState, consu
         # (``non_blocking=True`` for CUDA) overlaps with compute.
         # Context parallelism: each cp rank keeps its chunks of every sequence (data.sequence_shards).
         return DataLoader(ds, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-                          pin_memory=cfg.trainer.accelerator == "gpu", collate_fn=collate)
+                          pin_memory=cfg.trainer.accelerator == "gpu", collate_fn=collate,
+                          worker_init_fn=partial(_loader_worker_init, rank=ps.rank) if workers else None)
 
     collate = ShardingCollate(ps.cp_size, ps.cp_rank) if ps.cp_size > 1 else None
 
     valid = loader(valid_ds, min(len(valid_ds), sizes[1])) if valid_ds is not None and sizes[1] else None
     return loader(train_ds, sizes[0], consumed_samples), valid
+
+
+def _loader_worker_init(worker_id: int, rank: int) -> None:
+    """A DataLoader worker ignores SIGINT: in a one-process run it shares the terminal's process
+    group with the training process, and a Ctrl-C that ended it would fail the step boundary's save
+    (the training process alone handles the stop request). Then Lightning's per-worker seeding,
+    which it adds itself only to loaders without a ``worker_init_fn``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pl_worker_init_function(worker_id, rank=rank)
 
 
 class _ProgressBar(TQDMProgressBar):
