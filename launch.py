@@ -113,8 +113,7 @@ def _model_overrides() -> List[tuple]:
 def _omegaconf_error_line(exc: OmegaConfBaseException) -> str:
     """OmegaConf's multi-line message as one line that names the key."""
     key = getattr(exc, "full_key", None)
-    what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return f"{key + ': ' if key else ''}{what}: fix that value on the command line or in its config file"
+    return f"{key + ': ' if key else ''}{one_line(exc)}: fix that value on the command line or in its config file"
 
 
 def _hydra_error_line(exc: BaseException) -> Optional[str]:

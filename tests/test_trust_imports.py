@@ -20,24 +20,12 @@ import pytest
 import torch
 
 from conftest import launch_py
-from test_hf_trust import gpt2_tensors
+from test_hf_trust import CONFIG as GPT2, H, VOCAB, gpt2_tensors, hf_dir  # noqa: F401 - hf_dir: a fixture
 
 pytest.importorskip("safetensors")
 
-H, VOCAB, POSITIONS = 8, 10, 8
-GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": H, "n_layer": 1, "n_head": 2,
-        "n_positions": POSITIONS, "vocab_size": VOCAB}
 LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": 16, "num_hidden_layers": 1,
          "num_attention_heads": 2, "vocab_size": VOCAB}
-
-
-@pytest.fixture
-def hf_dir(tmp_path):
-    from megatron_hydra.convert import hf_files
-
-    path = tmp_path / "tiny"
-    hf_files.write(str(path), GPT2, gpt2_tensors())
-    return path
 
 
 def _convert(argv, capsys):

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_hydra.checkpoint import store
 from megatron_hydra.config.io import config_data
 from megatron_hydra.config.schema import ModelConfig
-from megatron_hydra.errors import CheckpointError, ConfigError
+from megatron_hydra.errors import CheckpointError, ConfigError, one_line
 
 FROM_CHECKPOINT = "from_checkpoint"  # the model preset (conf/model/from_checkpoint.yaml) and its name
 
@@ -51,13 +51,13 @@ def model_config(load: Optional[str], overrides: Sequence[Tuple[str, Any]] = ())
         typed = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
     except OmegaConfBaseException as e:
         raise CheckpointError(f"{source}: its model config does not fit this version's schema "
-                              f"({str(e).splitlines()[0]})") from None
+                              f"({one_line(e)})") from None
     if typed.name == FROM_CHECKPOINT:
         raise CheckpointError(f"{source}: its model is named {FROM_CHECKPOINT}, which no saved model is: refused")
     for key, value in overrides:
         try:
             OmegaConf.update(typed, key, value, merge=True)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"model.{key}={value!r}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"model.{key}={value!r}: {one_line(e)}") from None
     OmegaConf.to_object(typed)  # every value of the right type now, not when a worker reads it
     return typed

@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_hydra import untrusted
 from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.errors import ConfigError
+from megatron_hydra.errors import ConfigError, one_line
 
 CONFIG_FILE = "resolved_config.yaml"
 
@@ -91,7 +91,7 @@ def from_yaml(text: str, source: str) -> RunConfig:
         return OmegaConf.to_object(loaded)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{source}: its config does not fit this version's schema "
-                          f"({str(e).splitlines()[0]})") from None
+                          f"({one_line(e)})") from None
 
 
 def write_config(cfg: RunConfig, run_dir: str) -> str:
