@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_hydra.config import architecture
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
 from megatron_hydra.config.ranges import check_ranges
@@ -463,9 +464,10 @@ def _transformer_config(cfg: RunConfig, tp: int, cp: int, **resolved) -> Transfo
     """Every ``model.*`` key TransformerConfig names, as it is; then the values derive resolved
     (``resolved``: nulls filled in, checked shapes), the family's own, and the other groups'."""
     m, arch = cfg.model, cfg.model.arch
+    features = architecture.resolve(cfg)
     family = dict(
         padded_vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
-        softmax_scale=1.0 if arch == "t5" else None,
+        softmax_scale=1.0 if arch == "t5" else features.pop("softmax_scale"),
         binary_head=arch == "bert" and m.binary_head,
         num_decoder_layers=(m.num_decoder_layers or m.num_layers) if arch == "t5" else 0,
         decoder_seq_length=(m.decoder_seq_length or m.seq_length) if arch == "t5" else 0,
@@ -476,7 +478,8 @@ def _transformer_config(cfg: RunConfig, tp: int, cp: int, **resolved) -> Transfo
         recompute_granularity=cfg.recompute.granularity, recompute_method=cfg.recompute.method,
         recompute_num_layers=cfg.recompute.num_layers, fp8=_fp8_recipe(cfg),
     )
-    return TransformerConfig(**{**by_name(m, ModelConfig, TransformerConfig), **resolved, **family, **others})
+    return TransformerConfig(**{**by_name(m, ModelConfig, TransformerConfig), **resolved, **features, **family,
+                                **others})
 
 
 def derive(cfg: RunConfig) -> Derived:

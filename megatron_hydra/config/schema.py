@@ -43,6 +43,27 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """``model.rope_scaling`` (docs/models.md): RoPE's frequencies stretched for a context longer
+    than the one the model was first trained at. llama3 (Llama 3.1+): wavelengths above
+    original_max_position_embeddings / low_freq_factor divided by factor, those below
+    original / high_freq_factor kept, a smooth blend between. linear: every position divided by
+    factor. yarn (Peng et al. 2023): frequencies blended between kept and divided by a ramp over
+    beta_fast..beta_slow rotations, the attention logits scaled by attention_factor (None:
+    0.1 ln(factor) + 1)."""
+
+    type: str = one_of("llama3", "linear", "yarn")
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: Optional[float] = None  # yarn
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions (false: gpt-oss)
+
+
+@dataclass
 class ModelConfig:
     """Shape and flavour of the network. Published shapes live in ``conf/model/*.yaml``."""
 
@@ -65,11 +86,38 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     position_embedding: str = one_of("learned", "rope", "relative")  # relative: T5's buckets
     rope_theta: float = 10000.0
+    # RoPE scaling for long context (RopeScalingConfig; Llama 3.1+, Qwen with yarn); null: none.
+    rope_scaling: Optional[RopeScalingConfig] = None
+    # The sliding-window layers' own RoPE base, without rope_scaling (Gemma 3's local layers);
+    # null: they rotate like every other layer.
+    local_rope_theta: Optional[float] = None
     normalization: str = one_of("layernorm", "rmsnorm")
     norm_eps: float = 1e-5
+    # Norm weights stored as w with scale (1 + w) (Gemma; TE's zero_centered_gamma).
+    zero_centered_gamma: bool = False
+    # A norm on each sub-layer's output before the residual add too (Gemma 2/3's post-attention
+    # and post-feedforward norms): x + norm_out(f(norm_in(x))).
+    post_sublayer_norm: bool = False
+    # Word embeddings multiplied by sqrt(hidden_size) (Gemma).
+    scale_embeddings: bool = False
     # gelu (exact) | gelu_tanh (GPT-2) | swiglu (Llama) | relu (T5) | geglu (T5 v1.1)
     activation: str = one_of("gelu", "gelu_tanh", "swiglu", "relu", "geglu")
     add_bias_linear: bool = True
+    # Bias on the QKV projection; null -> add_bias_linear (Qwen2: true with add_bias_linear false).
+    qkv_bias: Optional[bool] = None
+    # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Attention scores scaled by 1/sqrt(query_pre_attn_scalar); null: 1/sqrt(kv_channels) (Gemma 2/3).
+    query_pre_attn_scalar: Optional[float] = None
+    # Sliding-window attention (Mistral, Gemma 2/3): a query sees itself and the window-1 tokens
+    # before it. null: every layer attends to the whole causal prefix.
+    sliding_window: Optional[int] = None
+    # Which layers use the window: an int n -> all but every n-th (layers n-1, 2n-1, ... are global;
+    # 1: every layer, Mistral; 2: Gemma 2; 6: Gemma 3); or one 0/1 per layer (1: windowed).
+    sliding_window_pattern: Any = 1
+    # tanh soft-capping, cap * tanh(x / cap), of attention scores and final logits (Gemma 2); null: none.
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0

@@ -34,6 +34,21 @@ class FP8Recipe:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """``model.rope_scaling`` as the model sees it (``config.schema.RopeScalingConfig``, frozen)."""
+
+    type: str = "llama3"  # llama3 | linear | yarn
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """A Mixture-of-Experts MLP (``models.moe.MoELayer``) in place of the dense one."""
 
@@ -69,10 +84,23 @@ class TransformerConfig:
     padded_vocab_size: int  # a multiple of make_vocab_size_divisible_by * tp
     position_embedding: str = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    local_rope_theta: Optional[float] = None  # the windowed layers' RoPE base, unscaled (None: as the rest)
     normalization: str = "layernorm"
     norm_eps: float = 1e-5
+    zero_centered_gamma: bool = False  # norms scale by (1 + w)
+    post_sublayer_norm: bool = False  # x + norm_out(f(norm_in(x)))
+    scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size)
     activation: str = "gelu"
     add_bias_linear: bool = True
+    qkv_bias: bool = True  # resolved: model.qkv_bias, or add_bias_linear when that is null
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
+    # Sliding-window attention: a query sees itself and the sliding_window-1 tokens before it, in
+    # the (global) layers window_layers; None: no layer is windowed.
+    sliding_window: Optional[int] = None
+    window_layers: Tuple[int, ...] = ()
+    attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap), after scaling
+    final_logit_softcapping: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     tie_embeddings: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -84,7 +112,8 @@ class TransformerConfig:
     cp_comm_type: str = "p2p"
     params_dtype: torch.dtype = torch.float32
     arch: str = "gpt"  # gpt | bert | t5: the family (models.archs) that reads this config
-    # None -> 1/sqrt(kv_channels). T5 uses 1: its initialisation folds the scale into the weights.
+    # None -> 1/sqrt(kv_channels). T5 uses 1: its initialisation folds the scale into the weights;
+    # model.query_pre_attn_scalar q sets it to 1/sqrt(q) (Gemma).
     softmax_scale: Optional[float] = None
     # BERT: token-type (segment) vocabulary and the sentence-order head.
     num_tokentypes: int = 2
@@ -105,6 +134,10 @@ class TransformerConfig:
     # Mixture of Experts: the experts of every MoE layer, and which (global) layers are MoE.
     moe: Optional[MoESpec] = None
     moe_layers: Tuple[int, ...] = ()
+
+    def windowed(self, layer: int) -> Optional[int]:
+        """The sliding window of global layer ``layer``, or None when it attends to the whole prefix."""
+        return self.sliding_window if layer in self.window_layers else None
 
     @property
     def output_init_std(self) -> float:
