@@ -148,12 +148,12 @@ def _option(tokens: List[str], *names: str) -> Optional[int]:
 def _imported_model(composed, overrides: List[str]) -> None:
     """``model=from_checkpoint`` with ``checkpoint.load=ckpt/<family>``: the model an import of that
     family holds, with the command's ``model.*`` overrides on top, as launch.py does."""
-    from megatron_hydra.convert import api
+    from megatron_hydra.convert import families
     from megatron_hydra.convert.mapping import HFConfig
 
     name = Path(composed.checkpoint.load).name
     kind, hf = HF_CONFIGS[next(k for k in HF_CONFIGS if name.startswith(k))]
-    model = OmegaConf.structured(api.FAMILIES[kind].model_config(HFConfig(hf, "config.json"), name))
+    model = OmegaConf.structured(families.FAMILIES[kind].model_config(HFConfig(hf, "config.json"), name))
     for override in OverridesParser.create().parse_overrides(overrides):
         if override.key_or_group.startswith("model."):
             OmegaConf.update(model, override.key_or_group[len("model."):], override.value(), merge=True)

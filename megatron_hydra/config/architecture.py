@@ -52,6 +52,23 @@ def _rope_scaling(cfg: RunConfig) -> Optional[RopeScaling]:
     return RopeScaling(**by_name(rs, RopeScalingConfig, RopeScaling))
 
 
+# What the Transformer Engine blocks (models/te_layers.py) do not express: their fused
+# LayerNormLinear carries one bias switch and a plain (1 * w) norm, DotProductAttention takes no
+# score soft-capping, and the rest would need TE options nothing here has run on a GPU.
+# RoPE scaling and scaled embeddings are computed outside TE's modules, so they run on either.
+_NOT_ON_TE = ("qk_norm", "sliding_window", "attn_logit_softcapping", "zero_centered_gamma", "post_sublayer_norm",
+              "local_rope_theta")
+
+
+def _check_transformer_engine(m) -> None:
+    used = [key for key in _NOT_ON_TE if getattr(m, key) not in (None, False)]
+    if m.qkv_bias is not None and m.qkv_bias != m.add_bias_linear:
+        used.append("qkv_bias")
+    if used:
+        raise ConfigError(f"model.{used[0]} is not supported by model.transformer_impl=transformer_engine: use "
+                          "model.transformer_impl=local (checkpoints load under either)")
+
+
 def resolve(cfg: RunConfig) -> Dict[str, Any]:
     """The TransformerConfig fields these keys set (resolved, checked)."""
     m = cfg.model
@@ -74,6 +91,8 @@ def resolve(cfg: RunConfig) -> Dict[str, Any]:
     if m.local_rope_theta is not None and not layers:
         raise ConfigError("model.local_rope_theta is the windowed layers' RoPE base, but no layer is windowed: set "
                           "model.sliding_window, or leave local_rope_theta null")
+    if m.transformer_impl == "transformer_engine":
+        _check_transformer_engine(m)
     if m.qk_norm and m.normalization != "rmsnorm":
         raise ConfigError("model.qk_norm=true is an RMSNorm over each head: it needs model.normalization=rmsnorm")
     return dict(

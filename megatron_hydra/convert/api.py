@@ -40,7 +40,8 @@ from megatron_hydra.checkpoint import sharded, standalone
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
-from megatron_hydra.convert import bert, gpt2, hf_files, llama, mixtral, name_map, t5
+from megatron_hydra.convert import hf_files, name_map
+from megatron_hydra.convert.families import FAMILIES, family_for
 from megatron_hydra.convert.mapping import HFWeights
 from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
 from megatron_hydra.models.archs import ARCHS
@@ -48,7 +49,6 @@ from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
 
-FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral)}
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_BYTES, TOKENIZER_CONFIG_BYTES = 512 * untrusted.MiB, 16 * untrusted.MiB  # far above real ones
@@ -226,17 +226,6 @@ def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
     return command + data
 
 
-def _family_for(tcfg):
-    """The Hugging Face family a model of ours exports as (GPT: GPT-2 or Llama, by its layers)."""
-    candidates = [family for family in FAMILIES.values() if family.ARCH == tcfg.arch]
-    reasons = [family.compatible(tcfg) for family in candidates]
-    for family, why in zip(candidates, reasons):
-        if not why:
-            return family
-    raise ConfigError(f"this model (position_embedding={tcfg.position_embedding}, normalization={tcfg.normalization}, "
-                      f"activation={tcfg.activation}) has no Hugging Face counterpart: {'; '.join(reasons)}")
-
-
 def _tokenizer_source(path: str, cfg: RunConfig):
     """The checkpoint's Hugging Face tokenizer (tokenizer.json), if it has one."""
     from megatron_hydra.data.tokenizers import HFTokenizer
@@ -255,7 +244,7 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, obj
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
     cfg = standalone.read_config(input)
-    family = _family_for(standalone.single_process(cfg)[1].transformer)
+    family = family_for(standalone.single_process(cfg)[1].transformer)
     _, derived, model = standalone.load_model(input, archs=tuple(ARCHS))
     tcfg = derived.transformer
     sd = {lp.name: lp.tensor.detach() for lp in logical_parameters(model)}
