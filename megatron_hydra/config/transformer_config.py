@@ -93,7 +93,7 @@ class TransformerConfig:
     scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size)
     activation: str = "gelu"
     add_bias_linear: bool = True
-    qkv_bias: bool = True  # resolved: model.qkv_bias, or add_bias_linear when that is null
+    qkv_bias: Optional[bool] = None  # bias on the QKV projection; None: as add_bias_linear
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
     # Sliding-window attention: a query sees itself and the sliding_window-1 tokens before it, in
     # the (global) layers window_layers; None: no layer is windowed.
@@ -134,6 +134,10 @@ class TransformerConfig:
     # Mixture of Experts: the experts of every MoE layer, and which (global) layers are MoE.
     moe: Optional[MoESpec] = None
     moe_layers: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.qkv_bias is None:  # a config built by hand (tests, benchmarks) keeps one bias switch
+            object.__setattr__(self, "qkv_bias", self.add_bias_linear)
 
     def windowed(self, layer: int) -> Optional[int]:
         """The sliding window of global layer ``layer``, or None when it attends to the whole prefix."""

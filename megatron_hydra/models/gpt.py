@@ -9,10 +9,14 @@ the layout: ``layers.7.mlp.fc1.weight`` is the same tensor at any tp or pp.
 The vocabulary is padded to a multiple of 128 x tp, so the padding depends on the layout. Padded
 rows start at zero and their logits are masked out of the softmax, which makes the loss (and the
 sampled tokens) independent of how much padding there is.
+
+Gemma scales the word embeddings by sqrt(hidden) (``scale_embeddings``) and caps the logits softly
+(``final_logit_softcapping`` c: c tanh(logits / c)); padded entries stay -inf under the cap.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -21,6 +25,7 @@ from torch import nn
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import backend_for
 from megatron_hydra.models.transformer import TransformerStack
+from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hydra.parallel.layers import PositionEmbedding, VocabParallelEmbedding, sharded_param, vocab_parallel_logits
 from megatron_hydra.parallel.random import dropout
@@ -54,6 +59,8 @@ class GPTModel(nn.Module):
         ``position_offset``: the position of the first token (generation with a KV cache), unless
         ``position_ids`` gives every token's (context parallelism: this rank's chunks)."""
         x = self.embedding(tokens)
+        if self.cfg.scale_embeddings:  # the factor rounded to x's dtype first, as the reference does
+            x = x * torch.full((), math.sqrt(self.cfg.hidden_size), dtype=x.dtype, device=x.device)
         if self.cfg.position_embedding == "learned":
             x = x + self.position_embedding(x.shape[1], position_offset, position_ids)
         return dropout(x, self.cfg.hidden_dropout, self.training, sharded=self.cfg.sequence_parallel)
@@ -62,8 +69,13 @@ class GPTModel(nn.Module):
         """Logits of this TP rank's vocabulary shard, [batch, seq, padded_vocab / tp]; the padded
         entries are -inf."""
         weight = self.embedding.weight if self.cfg.tie_embeddings else self.output_weight
-        return vocab_parallel_logits(self.final_norm(x), weight, self.ps.tp_group, self.cfg.sequence_parallel,
-                                     self.cfg.vocab_size)
+        logits = vocab_parallel_logits(self.final_norm(x), weight, self.ps.tp_group, self.cfg.sequence_parallel,
+                                       self.cfg.vocab_size)
+        cap = self.cfg.final_logit_softcapping
+        if cap is None:
+            return logits
+        first_padded = self.cfg.vocab_size - C.group_rank(self.ps.tp_group) * logits.shape[-1]
+        return _SoftCap.apply(logits, cap, first_padded)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, kv_cache=None,
                 position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -84,3 +96,25 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, inplace=True)
+
+
+class _SoftCap(torch.autograd.Function):
+    """cap * tanh(logits / cap) over the head's logits, whose entries from ``first_padded`` on stay
+    -inf. The head hands its logits over (nothing else reads them): in place they become tanh, then
+    the backward's factor 1 - tanh^2, so the cap adds one logits-sized tensor, its result (which
+    the loss takes over in turn), where torch's own ops would keep three."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, cap: float, first_padded: int) -> torch.Tensor:
+        tanh = logits.div_(cap).tanh_()
+        out = tanh * cap
+        if first_padded < out.shape[-1]:
+            out[..., max(first_padded, 0):] = float("-inf")
+        ctx.save_for_backward(tanh.mul_(tanh).neg_().add_(1))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (slope,) = ctx.saved_tensors
+        return slope.mul_(grad), None, None

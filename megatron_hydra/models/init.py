@@ -15,9 +15,9 @@ Box-Muller turns them into one normal, in float64, then cast to the parameter's 
 
 Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2,
 and a Mixture of Experts' expert and shared-expert fc2) normal(0, init_std / sqrt(2 * num_layers));
-biases zero; norm weights one. Vocabulary tables draw only their ``vocab_size`` real rows; the
-padding rows (whose number depends on tp) are zero, so the real rows are the same whatever the
-padding.
+biases zero; norm weights one, or zero where they scale by (1 + w) (``zero_centered_gamma``).
+Vocabulary tables draw only their ``vocab_size`` real rows; the padding rows (whose number depends
+on tp) are zero, so the real rows are the same whatever the padding.
 
 A Mixture of Experts holds its local experts stacked in one parameter ([E_local, ...]): each
 expert's slice is filled from that expert's own logical name (``models.moe.local_experts``), so
@@ -116,7 +116,7 @@ def _rule(name: str, cfg: TransformerConfig):
     if name.endswith(".bias"):
         return "zero", 0.0
     if "norm" in name:
-        return "one", 0.0
+        return ("zero" if cfg.zero_centered_gamma else "one"), 0.0
     output = name.endswith(OUTPUT_PROJECTIONS) or MOE_OUTPUT_PROJECTION.search(name) is not None
     return "normal", cfg.output_init_std if output else cfg.init_std
 

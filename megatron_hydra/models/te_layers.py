@@ -42,7 +42,8 @@ from torch import nn
 
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig
 from megatron_hydra.errors import ConfigError
-from megatron_hydra.models.transformer import GATED, RotaryEmbedding
+from megatron_hydra.models.rope import RotaryEmbedding
+from megatron_hydra.models.transformer import GATED
 from megatron_hydra.parallel.layers import replicated
 from megatron_hydra.parallel.random import TP_RNG, get_rng_tracker
 from megatron_hydra.parallel.state import ParallelState
@@ -154,9 +155,10 @@ _TP_STREAM = _TPStream()
 
 class TEAttention(nn.Module):
     """Self-attention on TE; parameters and QKV layout as the local ``Attention`` (per query group
-    [q heads of the group, k, v]). Input and output are sequence-first, [s, b, h]."""
+    [q heads of the group, k, v]). Input and output are sequence-first, [s, b, h]. ``layer``: the
+    global index, for its RoPE tables (``models.rope.layer_rope``)."""
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True):
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True, layer: int = 0):
         super().__init__()
         t = te()
         d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
@@ -171,7 +173,7 @@ class TEAttention(nn.Module):
                                           get_rng_state_tracker=(lambda: _TP_STREAM) if cfg.attention_dropout else None,
                                           **extra)
         self.proj = _linear(cfg, ps, heads * d, cfg.hidden_size, "row", device, norm=False)
-        self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
+        self.rotary = RotaryEmbedding(cfg, device, layer) if cfg.position_embedding == "rope" else None
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

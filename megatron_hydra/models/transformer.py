@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.models.norms import norm_module
+from megatron_hydra.models.rope import RotaryEmbedding
 from megatron_hydra.parallel.context_parallel import context_parallel_attention
-from megatron_hydra.parallel.document_masks import document_attention
+from megatron_hydra.parallel.document_masks import masked_attention
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated, same_input
 from megatron_hydra.parallel.random import dropout, tp_rng
 from megatron_hydra.parallel.recompute import checkpoint, run_layers
@@ -36,47 +38,9 @@ def run_stack(cfg: TransformerConfig, layers, x: torch.Tensor, training: bool) -
 
 
 def build_norm(cfg: TransformerConfig, device=None) -> nn.Module:
-    kwargs = dict(eps=cfg.norm_eps, dtype=cfg.params_dtype, device=device)
-    norm = nn.RMSNorm(cfg.hidden_size, **kwargs) if cfg.normalization == "rmsnorm" else nn.LayerNorm(cfg.hidden_size, **kwargs)
-    return replicated(norm, cfg.sequence_parallel)  # under SP each rank sees only its sequence slice
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the rotate-half convention (GPT-NeoX, Llama in HF layout)."""
-
-    def __init__(self, cfg: TransformerConfig, device=None):
-        super().__init__()
-        self.dim, self.theta, self.length, self.dtype = cfg.kv_channels, cfg.rope_theta, cfg.seq_length, cfg.params_dtype
-        self.reset_buffers(device)
-
-    def reset_buffers(self, device=None) -> None:
-        """Compute the cos/sin tables on ``device`` (again after a model built on the meta
-        device gets its storage: ``models.init.materialize``)."""
-        d = self.dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
-        angles = torch.outer(torch.arange(self.length, dtype=torch.float64, device=device), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().to(self.dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(self.dtype), persistent=False)
-
-    def tables(self, length: int, dtype: torch.dtype, offset: int = 0,
-               position_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``length`` tokens from position ``offset`` ([length, head_dim], views
-        of the buffers), or for the positions ``position_ids`` ([batch, seq]; context parallelism:
-        this rank's chunks) as [batch, 1, seq, head_dim], gathered once for both q and k."""
-        if position_ids is not None:
-            return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
-        return self.cos[offset:offset + length].to(dtype), self.sin[offset:offset + length].to(dtype)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]; ``offset`` is the position of x's first token."""
-        return self.rotate(x, *self.tables(x.shape[-2], x.dtype, offset))
+    """A norm over the hidden size (``models.norms``), replicated over TP; under SP each rank sees
+    only its sequence slice, so its gradient is summed over TP."""
+    return replicated(norm_module(cfg, cfg.hidden_size, device), cfg.sequence_parallel)
 
 
 class Attention(nn.Module):
@@ -89,9 +53,15 @@ class Attention(nn.Module):
     TP rank's contiguous shard holds whole groups: the same logical tensor for every TP degree.
     Cross-attention (``cross=True``, T5's decoder) reads queries and keys/values from different
     tensors, so it has two projections: ``q`` and ``kv`` (per query group [k, v]).
+
+    ``layer`` (the global index) picks the layer's sliding window (``cfg.windowed``) and RoPE base.
+    QK-norm (Qwen3, Gemma 3) normalises each head's q and k before RoPE with one weight shared by
+    all heads: every TP rank holds it whole but sees only its own heads, so its gradient is summed
+    over TP (tagged as the sequence-parallel norms are).
     """
 
-    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True, cross: bool = False):
+    def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True, cross: bool = False,
+                 layer: int = 0):
         super().__init__()
         tp = ps.tp_size
         self.cfg, self.causal = cfg, causal
@@ -99,14 +69,23 @@ class Attention(nn.Module):
         self.local_groups = cfg.num_query_groups // tp
         d = cfg.kv_channels
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-        common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        common = dict(sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        qkv_bias = cfg.add_bias_linear if cfg.qkv_bias is None else cfg.qkv_bias
         if cross:
-            self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d, ps.tp_group, **common)
-            self.kv = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.num_query_groups * d, ps.tp_group, **common)
+            self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d, ps.tp_group, bias=qkv_bias,
+                                          **common)
+            self.kv = ColumnParallelLinear(cfg.hidden_size, 2 * cfg.num_query_groups * d, ps.tp_group, bias=qkv_bias,
+                                           **common)
         else:
-            self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, **common)
-        self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, ps.tp_group, **common)
-        self.rotary = RotaryEmbedding(cfg, device) if cfg.position_embedding == "rope" else None
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps.tp_group, bias=qkv_bias, **common)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, ps.tp_group,
+                                      bias=cfg.add_bias_linear, **common)
+        self.rotary = RotaryEmbedding(cfg, device, layer) if cfg.position_embedding == "rope" else None
+        if cfg.qk_norm and not cross:
+            self.q_norm = replicated(norm_module(cfg, d, device), sequence_parallel=True)
+            self.k_norm = replicated(norm_module(cfg, d, device), sequence_parallel=True)
+        self.window = None if cross else cfg.windowed(layer)
+        self.softcap = cfg.attn_logit_softcapping
         self.cp_group = ps.cp_group if cfg.context_parallel_size > 1 else None
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
@@ -127,6 +106,8 @@ class Attention(nn.Module):
         q = qkv[:, :, :, : self.heads_per_group].flatten(2, 3).transpose(1, 2)  # [b, heads, s, d]
         k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, groups, s, d]
         v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         offset = 0 if kv_cache is None else kv_cache.length(self)
         if self.rotary is not None:
             cos, sin = self.rotary.tables(s, q.dtype, offset, position_ids)
@@ -144,7 +125,8 @@ class Attention(nn.Module):
         that would repeat its exchange of keys and values."""
         if self.cp_group is not None:
             return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type, self.causal,
-                                              self.cfg.softmax_scale, document_ids)
+                                              self.cfg.softmax_scale, document_ids, window=self.window,
+                                              softcap=self.softcap)
         if document_ids is not None and (mask is not None or not self.causal):
             raise ValueError("document_ids mask a causal self-attention that has no other mask")
         if self.training and self.cfg.recompute_granularity == "selective":
@@ -165,13 +147,18 @@ class Attention(nn.Module):
         ``mask`` (broadcast to [b, heads, s_q, s_k]): boolean (True = attend) or additive float,
         which also carries a position bias (T5); it replaces the causal mask, so a causal
         attention given one must include causality in it. scale: ``cfg.softmax_scale`` or 1/sqrt(d).
-        ``document_ids`` ([b, s]): causal within each document instead (``parallel.document_masks``)."""
+        ``document_ids`` ([b, s]): causal within each document instead. Without a mask, the layer's
+        window and score cap apply (``parallel.document_masks.masked_attention``, which keeps the
+        fused causal kernel when there is neither)."""
         p = self.cfg.attention_dropout if self.training else 0.0
         with tp_rng(sharded=True) if p > 0 else nullcontext():
-            if document_ids is not None:
-                return document_attention(q, k, v, document_ids, self.cfg.softmax_scale, p)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None,
-                                                  scale=self.cfg.softmax_scale, enable_gqa=self.heads_per_group > 1)
+            if mask is not None:
+                if self.window is not None or self.softcap is not None:
+                    raise ValueError("an explicit attention mask replaces the sliding window and the score cap")
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.cfg.softmax_scale,
+                                                      enable_gqa=self.heads_per_group > 1)
+            return masked_attention(q, k, v, scale=self.cfg.softmax_scale, causal=self.causal, window=self.window,
+                                    softcap=self.softcap, document_ids=document_ids, dropout_p=p)
 
 
 # Gated activations (act(gate(x)) * fc1(x)): SwiGLU (Llama), GEGLU with tanh gelu (T5 v1.1).
@@ -213,17 +200,21 @@ class Block(nn.Module):
     decoder), then the MLP, each a residual branch with dropout.
 
     Pre-norm (GPT, Llama, T5): ``x + f(norm(x))``. Post-norm (``post_norm``, the original BERT):
-    ``norm(x + f(x))``. The modules are the same either way, so are the parameter names.
+    ``norm(x + f(x))``. The modules are the same either way, so are the parameter names. Pre- and
+    post-sub-layer norms (``cfg.post_sublayer_norm``, Gemma 2/3): ``x + norm_out(f(norm(x)))``,
+    with ``norm1_out`` after attention and ``norm2_out`` after the MLP. ``layer``: the block's
+    global index (its attention's window and RoPE base).
     """
 
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None, causal: bool = True,
                  post_norm: bool = False, cross: bool = False, backend: Optional["Backend"] = None,
-                 moe: bool = False):
+                 moe: bool = False, layer: int = 0):
         super().__init__()
         backend = backend or LOCAL
         check_backend(cfg, backend)
         self.norm1 = backend.input_norm(cfg, device)
-        self.attention = backend.attention(cfg, ps, device, causal=causal)
+        self.attention = backend.attention(cfg, ps, device, causal=causal, layer=layer)
+        self.norm1_out = backend.norm(cfg, device) if cfg.post_sublayer_norm else None
         if cross:
             self.norm_cross = build_norm(cfg, device)
             self.cross_attention = Attention(cfg, ps, device, causal=False, cross=True)
@@ -231,15 +222,17 @@ class Block(nn.Module):
         if moe and backend.moe is None:
             raise ValueError(f"the {backend.name} layers have no Mixture-of-Experts MLP (config.moe: local only)")
         self.mlp = backend.moe(cfg, ps, device) if moe else backend.mlp(cfg, ps, device)
+        self.norm2_out = backend.norm(cfg, device) if cfg.post_sublayer_norm else None
         mark_logical(self, backend.parameter_map(cfg))
         self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
-    def _residual(self, x: torch.Tensor, norm: nn.Module, branch) -> torch.Tensor:
+    def _residual(self, x: torch.Tensor, norm: nn.Module, branch, norm_out: Optional[nn.Module] = None) -> torch.Tensor:
         drop = partial(dropout, p=self.dropout, training=self.training, sharded=self.sequence_parallel)
         if self.post_norm:
             return norm(x + drop(branch(x)))
-        return x + drop(branch(norm(x)))
+        out = branch(norm(x))
+        return x + drop(out if norm_out is None else norm_out(out))
 
     def forward(self, x: torch.Tensor, kv_cache=None, mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
@@ -249,10 +242,10 @@ class Block(nn.Module):
         positions of x's tokens (context parallelism, reset positions), for rotary embeddings;
         ``document_ids``: the documents self-attention stays within (``Attention.forward``)."""
         x = self._residual(x, self.norm1, lambda h: self.attention(h, kv_cache, mask, position_ids=position_ids,
-                                                                    document_ids=document_ids))
+                                                                    document_ids=document_ids), self.norm1_out)
         if self.cross:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attention(h, mask=context_mask, context=context))
-        return self._residual(x, self.norm2, self.mlp)
+        return self._residual(x, self.norm2, self.mlp, self.norm2_out)
 
 
 class TransformerStack(nn.ModuleDict):
@@ -264,8 +257,8 @@ class TransformerStack(nn.ModuleDict):
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, indices, device=None,
                  backend: Optional["Backend"] = None, **block_kwargs):
         backend = backend or LOCAL
-        super().__init__({str(i): Block(cfg, ps, device, backend=backend, moe=i in cfg.moe_layers, **block_kwargs)
-                          for i in indices})
+        super().__init__({str(i): Block(cfg, ps, device, backend=backend, moe=i in cfg.moe_layers, layer=i,
+                                        **block_kwargs) for i in indices})
         self.cfg = cfg
         self.runner = backend.stack_runner(cfg, ps)  # the backend's layout and FP8 autocast
 

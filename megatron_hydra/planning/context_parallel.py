@@ -43,6 +43,11 @@ memory-bound softmax, each already 1/c of the sequence's): 1/c^2 of the whole se
               exposed (c - 1) max(0, 2 T(kv_block) - 2 A_blk) + T(kv_block)
           full recompute replays the forward, ring included; selective recompute does not
           replay context-parallel attention (``models.transformer.Attention``).
+          A sliding window w < s leaves the blocks unequal: the ring skips the pairs of chunks
+          outside the window, while every K/V block still travels. Step i of rank r then computes
+          ``A_blk w_ri`` (``ring_step_weights``: the query-key pairs the window keeps in that
+          step, over their mean), and each step hides the next transfer behind its own compute:
+          exposed max_r sum_i max(0, T(kv_block) - A_blk w_ri) forward, likewise backward.
     a2a   4 all-to-alls forward (q, k, v in, the output back) and 4 in backward, each moving
           (c - 1)/c of a local tensor of b (s/c) (a/t) k e bytes per GPU, not overlapped; 4 more
           when recompute replays the attention.
@@ -50,7 +55,7 @@ memory-bound softmax, each already 1/c of the sequence's): 1/c^2 of the whole se
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
@@ -113,18 +118,57 @@ def a2a_bytes_per_gpu(cp: int, tensor_bytes: float) -> float:
     return 4 * (cp - 1) / cp * tensor_bytes
 
 
-def ring_seconds(cp: int, kv_transfer_s: float, block_attention_s: float, replays: int) -> Tuple[float, float]:
+def ring_seconds(cp: int, kv_transfer_s: float, block_attention_s: float, replays: int,
+                 weights: Optional[Sequence[Sequence[float]]] = None) -> Tuple[float, float]:
     """(raw, exposed) seconds of the ring's exchanges per layer and micro-batch: ``kv_transfer_s``
-    moves one K/V block, ``block_attention_s`` is one block's forward attention; ``replays``
-    forwards run again in backward (recompute)."""
+    moves one K/V block, ``block_attention_s`` is one block's forward attention on average, and
+    ``weights[r][i]`` scales it for rank r's step i (``ring_step_weights``; None: every block
+    alike); ``replays`` forwards run again in backward (recompute). The slowest rank counts."""
     if cp == 1:
         return 0.0, 0.0
     steps = cp - 1
-    forward_raw, forward_exposed = steps * kv_transfer_s, steps * max(0.0, kv_transfer_s - block_attention_s)
+    forward_raw = steps * kv_transfer_s
     backward_raw = steps * 2 * kv_transfer_s + kv_transfer_s
-    backward_exposed = steps * max(0.0, 2 * kv_transfer_s - 2 * block_attention_s) + kv_transfer_s
     forwards = 1 + replays
-    return forwards * forward_raw + backward_raw, forwards * forward_exposed + backward_exposed
+    exposed = 0.0
+    for row in weights or [[1.0] * cp]:
+        hiding = [block_attention_s * w for w in row[:steps]]  # step i's compute hides transfer i + 1
+        forward = sum(max(0.0, kv_transfer_s - a) for a in hiding)
+        backward = sum(max(0.0, 2 * kv_transfer_s - 2 * a) for a in hiding) + kv_transfer_s
+        exposed = max(exposed, forwards * forward + backward)
+    return forwards * forward_raw + backward_raw, exposed
+
+
+def ring_step_weights(cp: int, seq: int, window: Optional[int]) -> Optional[List[List[float]]]:
+    """[r][i]: the causal query-key pairs within ``window`` that rank r attends at ring step i
+    (K/V of rank (r - i) mod cp, balanced layout), over their mean across ranks and steps. None
+    when no window binds (every block alike, the module's plain model)."""
+    if cp == 1 or window is None or window >= seq:
+        return None
+    chunk = seq // (2 * cp)
+    pairs = [[sum(_pairs_within((a - b) * chunk, chunk, window)
+                  for a in (rank, 2 * cp - 1 - rank)
+                  for b in ((rank - step) % cp, 2 * cp - 1 - (rank - step) % cp))
+              for step in range(cp)] for rank in range(cp)]
+    mean = sum(map(sum, pairs)) / cp ** 2
+    return [[n / mean for n in row] for row in pairs]
+
+
+def _pairs_within(offset: int, chunk: int, window: int) -> int:
+    """Pairs (query x, key y) of two chunks whose starts lie ``offset`` positions apart with
+    0 <= offset + x - y < window. The gap g = offset + x - y is shared by chunk - |g - offset|
+    pairs: sum that over the gaps kept, two arithmetic series either side of g = offset."""
+    first, last = max(0, offset - chunk + 1), min(window - 1, offset + chunk - 1)
+    total = 0
+    rising_end = min(last, offset)  # g <= offset: chunk - offset + g pairs
+    if rising_end >= first:
+        n = rising_end - first + 1
+        total += n * (chunk - offset) + (first + rising_end) * n // 2
+    falling_start = max(first, offset + 1)  # g > offset: chunk + offset - g pairs
+    if last >= falling_start:
+        n = last - falling_start + 1
+        total += n * (chunk + offset) - (falling_start + last) * n // 2
+    return total
 
 
 def a2a_seconds(cp: int, tensor_bytes: float, transfer: Callable[[float], float], replays: int) -> float:
