@@ -12,7 +12,7 @@ import torch
 
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
-from megatron_hydra.convert import bert, gpt2, llama, mixtral, t5
+from megatron_hydra.convert import bert, gemma2, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, t5
 from megatron_hydra.convert.mapping import HFConfig, HFWeights
 from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -26,6 +26,9 @@ BERT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_he
             max_position_embeddings=16)
 MIXTRAL = dict(LLAMA, num_local_experts=4, num_experts_per_tok=2)
 T5 = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4)
+QWEN3_MOE = dict(LLAMA, num_hidden_layers=4, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=True)
+GEMMA = dict(LLAMA, num_hidden_layers=4, head_dim=12, query_pre_attn_scalar=144, sliding_window=8)
 
 VARIANTS = {
     "gpt2-tied": (gpt2, GPT2),
@@ -38,6 +41,24 @@ VARIANTS = {
     "mixtral-tied": (mixtral, dict(MIXTRAL, tie_word_embeddings=True)),
     "t5-v1.0": (t5, T5),
     "t5-v1.1": (t5, dict(T5, feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    # The Hub's Llama 3.1 layout: rope_scaling beside a top-level rope_theta.
+    "llama3.1-rope-scaling": (llama, dict(LLAMA, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8})),
+    "qwen2-max-window-layers": (qwen2, dict(LLAMA, num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
+                                            max_window_layers=2)),
+    "qwen3-tied-yarn": (qwen3, dict(LLAMA, head_dim=12, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 16.0, "attention_factor": 1.5, "truncate": False})),
+    "qwen3_moe-every-other-layer": (qwen3_moe, QWEN3_MOE),
+    "qwen3_moe-every-layer-windowed": (qwen3_moe, dict(QWEN3_MOE, decoder_sparse_step=1, use_sliding_window=True,
+                                                       sliding_window=4)),
+    "mistral-no-window": (mistral, dict(LLAMA, sliding_window=None)),
+    "gemma2-untied-default-pattern": (gemma2, dict(GEMMA, tie_word_embeddings=False)),
+    # Gemma 3's older layout: rope_theta, rope_scaling (the global layers') and rope_local_base_freq.
+    "gemma3-older-rope-keys": (gemma3, dict(GEMMA, num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=1e4,
+                                            rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                            final_logit_softcapping=30.0)),
 }
 
 
@@ -117,3 +138,122 @@ def test_mixtral_experts_by_name_and_the_refusals():
         mixtral.model_config(HFConfig(dict(MIXTRAL, sliding_window=4096), "config.json"), "test")
     dense, _, _ = _model(llama, LLAMA)
     assert llama.compatible(tcfg) and mixtral.compatible(dense) and not mixtral.compatible(tcfg)
+
+
+GPT_VARIANTS = [name for name, (family, _) in VARIANTS.items() if family.ARCH == "gpt"]
+
+
+@pytest.mark.parametrize("variant", GPT_VARIANTS)
+def test_config_json_round_trip_gives_back_our_model_config(variant):
+    """model_config(hf_config(model)) is the model: every key each family writes, it reads back."""
+    family, hf = VARIANTS[variant]
+    model = family.model_config(HFConfig(hf, "config.json"), "test")
+    tcfg = derive(RunConfig(model=model, run_dir="unused")).transformer
+    assert family.compatible(tcfg) == ""
+    assert family.model_config(HFConfig(family.hf_config(tcfg), "config.json"), "test") == model
+
+
+def test_the_keys_each_family_reads():
+    def model(variant):
+        family, hf = VARIANTS[variant]
+        return family.model_config(HFConfig(hf, "config.json"), "test")
+
+    rope = model("llama3.1-rope-scaling").rope_scaling
+    assert (rope.type, rope.factor, rope.original_max_position_embeddings) == ("llama3", 8.0, 8)
+    assert model("llama3.1-rope-scaling").rope_theta == 500000.0
+    yarn = model("qwen3-tied-yarn").rope_scaling
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.attention_factor, yarn.truncate) == (16.0, 1.0, 1.5, False)
+    qwen2_window = model("qwen2-max-window-layers")
+    assert (qwen2_window.sliding_window, qwen2_window.sliding_window_pattern) == (4, [0, 0, 1])
+    moe = model("qwen3_moe-every-other-layer").moe
+    assert (moe.layer_freq, moe.ffn_hidden_size, moe.norm_topk) == ([0, 1, 0, 1], 16, True)
+    assert model("qwen3_moe-every-layer-windowed").sliding_window_pattern == 1
+    assert model("gemma2-untied-default-pattern").sliding_window_pattern == 2  # every other layer, from the first
+    gemma = model("gemma3-older-rope-keys")
+    assert (gemma.rope_theta, gemma.local_rope_theta, gemma.rope_scaling.type, gemma.sliding_window_pattern) == (
+        1e6, 1e4, "linear", 6)
+
+
+@pytest.mark.parametrize("family, hf, message", [
+    (llama, dict(LLAMA, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+     "config.json: rope_type='longrope' is not supported: llama3, linear, yarn are"),
+    (llama, dict(LLAMA, rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "config.json: rope_scaling.rope_type='dynamic' is not supported: llama3, linear, yarn are"),
+    (qwen3, dict(LLAMA, partial_rotary_factor=0.5), "config.json: partial_rotary_factor=0.5 is not supported"),
+    (qwen3, dict(LLAMA, rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}),
+     "config.json: mscale=0.7 is not supported"),
+    (llama, dict(LLAMA, attention_bias=True), "config.json: attention_bias=true is not supported"),
+    (qwen3_moe, dict(QWEN3_MOE, decoder_sparse_step=0), "config.json: decoder_sparse_step=0 is not supported"),
+    (gemma2, dict(GEMMA, layer_types=["sliding_attention", "chunked_attention"] * 2),
+     'config.json: layer_types=["sliding_attention", "chunked_attention", '),
+    (gemma3, dict(GEMMA, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "config.json: rope_parameters.sliding_attention.rope_type='linear' is not supported"),
+    (gemma3, dict(GEMMA, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+     "config.json: rope_parameters={"),
+], ids=["longrope", "dynamic-older-layout", "partial-rotary", "yarn-mscale", "llama-attention-bias-alone",
+        "sparse-step", "layer-type", "gemma3-scaled-local-rope", "gemma3-one-rope"])
+def test_unsupported_values_are_one_line_naming_file_key_and_value(family, hf, message):
+    with pytest.raises(ConfigError) as err:
+        family.model_config(HFConfig(hf, "config.json"), "test")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def _tcfg(overrides: dict):
+    from megatron_hydra.config.schema import ModelConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=50,
+                position_embedding="rope", normalization="rmsnorm", activation="swiglu", add_bias_linear=False)
+    return derive(RunConfig(model=ModelConfig(**{**base, **overrides}), run_dir="unused")).transformer
+
+
+@pytest.mark.parametrize("overrides, family", [
+    ({}, "llama"),
+    ({"rope_scaling": {"type": "llama3"}}, "llama"),
+    ({"qkv_bias": True}, "qwen2"),
+    ({"sliding_window": 8}, "mistral"),
+    ({"sliding_window": 8, "sliding_window_pattern": [1, 0], "qkv_bias": True}, "qwen2"),
+    ({"qk_norm": True}, "qwen3"),
+    ({"qk_norm": True, "moe": {"num_experts": 4, "top_k": 2, "layer_freq": [0, 1], "norm_topk": False}}, "qwen3_moe"),
+    ({"moe": {"num_experts": 4, "top_k": 2}}, "mixtral"),
+    (dict(activation="geglu", zero_centered_gamma=True, post_sublayer_norm=True, scale_embeddings=True,
+          attn_logit_softcapping=50.0), "gemma2"),
+    (dict(activation="geglu", zero_centered_gamma=True, post_sublayer_norm=True, scale_embeddings=True,
+          qk_norm=True, sliding_window=8, sliding_window_pattern=2, local_rope_theta=1e4), "gemma3_text"),
+])
+def test_export_picks_the_plainest_family_that_expresses_the_model(overrides, family):
+    from megatron_hydra.config.schema import MoEConfig, RopeScalingConfig
+    from megatron_hydra.convert.families import family_for
+
+    if "rope_scaling" in overrides:
+        overrides = dict(overrides, rope_scaling=RopeScalingConfig(**overrides["rope_scaling"]))
+    if "moe" in overrides:
+        overrides = dict(overrides, moe=MoEConfig(**overrides["moe"]))
+    assert family_for(_tcfg(overrides)).MODEL_TYPE == family
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"sliding_window": 8, "sliding_window_pattern": [1, 0]}, "Mistral windows every layer or none"),
+    ({"final_logit_softcapping": 30.0}, "Llama has no model.final_logit_softcapping"),
+    ({"qkv_bias": False, "add_bias_linear": True}, "Qwen2 has biases on q, k and v alone"),
+])
+def test_a_model_no_family_expresses_is_one_line_with_each_reason(overrides, reason):
+    from megatron_hydra.convert.families import family_for
+
+    with pytest.raises(ConfigError) as err:
+        family_for(_tcfg(overrides))
+    assert "has no Hugging Face counterpart" in str(err.value) and reason in str(err.value)
+
+
+def test_shapes_are_checked_on_a_model_cut_to_one_layer_of_each_kind():
+    """An MoE model with dense layers keeps one of each; per-layer lists are cut alike, the
+    window dropped (it holds no tensor)."""
+    from megatron_hydra.convert.name_map import first_layers
+
+    model = qwen3_moe.model_config(HFConfig(dict(QWEN3_MOE, use_sliding_window=True, sliding_window=4), "c"), "t")
+    model.sliding_window_pattern = [0, 1, 1, 0]
+    cut = first_layers(model)
+    assert (cut.num_layers, cut.moe.layer_freq, cut.sliding_window) == (2, [0, 1], None)
+    tcfg = derive(RunConfig(model=cut, run_dir="unused")).transformer
+    assert tcfg.moe_layers == (1,)
+    assert first_layers(llama.model_config(HFConfig(LLAMA, "c"), "t")).num_layers == 1

@@ -9,16 +9,25 @@ family that expresses it, so a Llama-shaped model exports as Llama, not as a loo
 from __future__ import annotations
 
 from megatron_hydra.config.transformer_config import TransformerConfig
-from megatron_hydra.convert import bert, gpt2, llama, mixtral, t5
+from megatron_hydra.convert import (bert, features, gemma2, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3,
+                                    qwen3_moe, t5)
 from megatron_hydra.errors import ConfigError
 
-FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral)}
+FAMILIES = {family.MODEL_TYPE: family for family in (gpt2, llama, bert, t5, mixtral, mistral, qwen2, qwen3, qwen3_moe,
+                                                     gemma2, gemma3)}
+
+
+def _why_not(family, tcfg: TransformerConfig) -> str:
+    """Why ``tcfg`` does not export as ``family`` (its ``compatible``); a family that predates the
+    architecture keys (``convert.features``) lists none it expresses, so any of them rules it out."""
+    why = "" if hasattr(family, "FEATURES") else features.lacks(tcfg, family.MODEL_TYPE)
+    return why or family.compatible(tcfg)
 
 
 def family_for(tcfg: TransformerConfig):
     """The Hugging Face family a model of ours exports as."""
     candidates = [family for family in FAMILIES.values() if family.ARCH == tcfg.arch]
-    reasons = [family.compatible(tcfg) for family in candidates]
+    reasons = [_why_not(family, tcfg) for family in candidates]
     for family, why in zip(candidates, reasons):
         if not why:
             return family

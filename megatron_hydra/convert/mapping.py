@@ -18,7 +18,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_hydra.config.transformer_config import TransformerConfig
-from megatron_hydra.errors import CheckpointError
+from megatron_hydra.errors import CheckpointError, ConfigError
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TransformerConfig) -> torch.Tensor:
@@ -86,6 +86,13 @@ class HFConfig(dict):
             raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} is not a finite number: fix the value or "
                                   "copy the file again")
         return v
+
+    def unsupported(self, key: str, value, supported: str) -> ConfigError:
+        """The one line for a value of this file that no model of ours computes: the file, the key,
+        the value, and what is supported."""
+        shown = repr(value) if isinstance(value, str) else json.dumps(value)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."  # a file is anyone's: keep the line short
+        return ConfigError(f"{self.path}: {key}={shown} is not supported: {supported}")
 
 
 class HFWeights:

@@ -8,7 +8,7 @@
   in memory (``mlp.experts.gate_up_proj``) and converts on load and save.
 - Routing: softmax over all expert logits, top-k, the k weights renormalised to sum 1: our
   ``router=softmax, norm_topk=true``. ``router_jitter_noise`` acts in training only (ours has none).
-- Sliding-window attention (``sliding_window`` set) is refused: our attention is full causal.
+- Sliding-window attention (``sliding_window`` set) is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from megatron_hydra.convert.name_map import NameMap, Rule
 from megatron_hydra.errors import ConfigError
 
 MODEL_TYPE, ARCH = "mixtral", "gpt"  # Hugging Face's model_type; our model.arch
+FEATURES = (*llama.FEATURES, "moe")
 E, X = L + "mlp.experts.{e}.", M + "block_sparse_moe.experts.{e}."
 NAME_MAP = NameMap(
     MODEL_TYPE,
@@ -41,9 +42,10 @@ NAME_MAP = NameMap(
 def model_config(hf: HFConfig, name: str) -> ModelConfig:
     window = hf.value("sliding_window", int, None)
     if window is not None:
-        raise ConfigError(f"Mixtral sliding_window={window} is not supported: our attention is full causal; "
-                          "only sliding_window=null converts")
-    cfg = llama.model_config(hf, name, family="Mixtral", rope_theta=1e6, norm_eps=1e-5)
+        raise ConfigError(f"{hf.path}: Mixtral sliding_window={window} is not supported: only sliding_window=null "
+                          "converts")
+    llama.check_activation(hf, "hidden_act", "silu", "silu")
+    cfg = llama.base_config(hf, name, rope_theta=1e6, norm_eps=1e-5)
     moe = MoEConfig(num_experts=hf.value("num_local_experts", int, 8), top_k=hf.value("num_experts_per_tok", int, 2),
                     ffn_hidden_size=cfg.ffn_hidden_size, layer_freq=1, router="softmax", norm_topk=True,
                     aux_loss_coeff=hf.value("router_aux_loss_coef", float, 0.001))
@@ -52,8 +54,9 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Mixtral counterpart, or '' when it has one."""
-    if llama.compatible(dataclasses.replace(cfg, moe=None)):
-        return "Mixtral needs rope, rmsnorm and swiglu"
+    why = llama.plain(cfg, "Mixtral", FEATURES)
+    if why:
+        return why
     moe = cfg.moe
     if moe is None or len(cfg.moe_layers) != cfg.num_layers:
         return "Mixtral needs experts (model.moe) in every layer"

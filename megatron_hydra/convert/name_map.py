@@ -11,18 +11,20 @@ the two directions cannot drift apart.
 The Hugging Face shapes that an import checks are written nowhere: they are our model's logical
 shapes sent through the export direction on the meta device, so a ``config.json`` that does not
 match its weights still fails in one line naming the tensor. ``check_files`` does this from the
-files' headers before the model is built, with the shapes of a one-layer model: a config that
-claims far more layers or experts than its files hold costs nothing to refuse.
+files' headers before the model is built, with the shapes of the model cut to its first layers
+(``first_layers``): a config that claims far more layers or experts than its files hold costs
+nothing to refuse.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFWeights, fuse_kv, fuse_qkv, split_kv, split_qkv
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -76,6 +78,8 @@ class Rule:
     per: Optional[str] = None  # the TransformerConfig field that counts the layers {i} runs over
     when: Callable[[TransformerConfig], bool] = always
     tied: bool = False
+    # (cfg, layer) -> whether layer {i} holds this tensor, where layers differ (MoE and dense).
+    only: Optional[Callable[[TransformerConfig, int], bool]] = None
 
     def instances(self, cfg: TransformerConfig) -> Iterator[Tuple[str, Tuple[str, ...]]]:
         """(our name, their names) for every layer (and expert) this rule covers in ``cfg``."""
@@ -83,16 +87,20 @@ class Rule:
             yield ours, theirs
 
     def indexed(self, cfg: TransformerConfig) -> Iterator[Tuple[str, str, Tuple[str, ...]]]:
-        """(our name in the first layer, our name, their names), lazily: a config may claim more
-        layers than any file holds."""
+        """(our name in the first layer this rule covers, our name, their names), lazily: a config
+        may claim more layers than any file holds."""
         if not self.when(cfg):
             return
         theirs = (self.theirs,) if isinstance(self.theirs, str) else self.theirs
         layers = range(getattr(cfg, self.per)) if self.per is not None else [None]
+        if self.only is not None:
+            layers = (i for i in layers if self.only(cfg, i))
         experts = range(cfg.moe.num_experts) if "{e}" in self.ours else [None]
-        for i, e in itertools.product(layers, experts):
-            first = _fill(self.ours, None if i is None else 0, e)
-            yield first, _fill(self.ours, i, e), tuple(_fill(t, i, e) for t in theirs)
+        first_layer = None
+        for i in layers:  # a loop, not itertools.product, which would list every layer first
+            first_layer = i if first_layer is None else first_layer
+            for e in experts:
+                yield _fill(self.ours, first_layer, e), _fill(self.ours, i, e), tuple(_fill(t, i, e) for t in theirs)
 
 
 def _fill(name: str, layer: Optional[int], expert: Optional[int]) -> str:
@@ -131,6 +139,30 @@ def _their_name(name_map: NameMap, weights: HFWeights) -> Callable[[str], str]:
     return lambda name: name[len(prefix):] if bare and name.startswith(prefix) else name
 
 
+def _first_of_each(flags: List[int]) -> List[int]:
+    return [flags.index(kind) for kind in (0, 1) if kind in flags]
+
+
+def first_layers(model: ModelConfig) -> ModelConfig:
+    """``model`` cut to the fewest leading layers that still hold a layer of each kind whose
+    tensors differ (MoE and dense; T5's decoder to one layer), its per-layer lists cut alike: the
+    model ``check_files`` takes the expected shapes from. The sliding window goes, since windowed
+    layers hold the same tensors as the rest, and a cut pattern might leave none windowed."""
+    freq = model.moe.layer_freq if model.moe is not None else 1
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        flags = [int(i % freq == 0) for i in range(min(model.num_layers, freq + 1))]
+    else:
+        flags = [int(f) for f in freq]
+    keep = min(model.num_layers, 1 + max(_first_of_each(flags), default=0))
+    cut = dataclasses.replace(model, num_layers=keep, sliding_window=None, sliding_window_pattern=1,
+                              local_rope_theta=None)
+    if model.moe is not None and not isinstance(freq, int):
+        cut.moe = dataclasses.replace(model.moe, layer_freq=flags[:keep])
+    if model.num_decoder_layers is not None:
+        cut.num_decoder_layers = min(model.num_decoder_layers, 1)
+    return cut
+
+
 def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
                 first_layer: Callable[[], Tuple[TransformerConfig, Dict[str, List[int]]]]) -> None:
     """Before the model of ``cfg`` is built: the files hold every tensor its config implies, in its
@@ -138,8 +170,8 @@ def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
 
     Names are walked lazily, so a ``config.json`` that claims 100000 layers (or experts) over files
     that hold two fails at the third, before anything of that size is built. The shapes then come
-    from ``first_layer()``: the same model cut to one layer per stack and its logical shapes, since
-    every layer of an imported family has the same shapes."""
+    from ``first_layer()``: the same model cut to its first layers (``first_layers``) and its
+    logical shapes, since every layer of one kind has the same shapes."""
     hf = _their_name(name_map, weights)
     for rule in name_map.rules:
         for _, _, theirs in rule.indexed(cfg):
