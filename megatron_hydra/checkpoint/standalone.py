@@ -8,6 +8,10 @@ for a single process (tp = pp = dp = 1), keeping every model shape, so the logic
 That config is data from elsewhere: it may describe a model of terabytes. So nothing is allocated
 before the checkpoint is shown to hold that model (``check_before_building``): its layer count,
 its tensors' names and shapes on the meta device, and the bytes its tensor files hold.
+
+A conversion needs the tensors but never the model: ``save_tensors`` writes logical tensors made
+one at a time (``lazy_write``), and ``read_tensors`` reads them back a few at a time, so neither
+holds more than a small part of the model.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import os
 import stat
 import warnings
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_hydra.checkpoint import plan, sharded, store
-from megatron_hydra.checkpoint.safe_reader import read_metadata
+from megatron_hydra.checkpoint import lazy_write, plan, sharded, store
+from megatron_hydra.checkpoint.lazy_write import LazyTensor
+from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.schema import ParallelConfig
@@ -63,17 +68,26 @@ def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[Ru
     return cfg, derive(cfg)
 
 
-@torch.no_grad()
-def load_model(path: str, seq_length: Optional[int] = None,
-               archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived, torch.nn.Module]:
-    """The model saved at ``path``, whole, in this process, in eval mode; its ``model.arch`` must
-    be one of ``archs`` (the families the caller handles: generation takes GPT only)."""
+def checked_config(path: str, seq_length: Optional[int] = None,
+                   archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived]:
+    """The config of the checkpoint at ``path`` for one process, once the checkpoint is shown to
+    hold that model (``check_before_building``); its ``model.arch`` must be one of ``archs`` (the
+    families the caller handles: generation takes GPT only)."""
     cfg = read_config(path)
     if cfg.model.arch not in archs:
         raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only "
                               f"{' and '.join(a.upper() for a in archs)} checkpoints load whole here")
     cfg, derived = single_process(cfg, seq_length)
     check_before_building(path, derived)
+    return cfg, derived
+
+
+@torch.no_grad()
+def load_model(path: str, seq_length: Optional[int] = None,
+               archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived, torch.nn.Module]:
+    """The model saved at ``path``, whole, in this process, in eval mode; its ``model.arch`` must
+    be one of ``archs``."""
+    cfg, derived = checked_config(path, seq_length, archs)
     ps = ParallelState.single()
     model = ARCHS[cfg.model.arch].build(derived.transformer, ps)
     with _one_process():
@@ -98,6 +112,19 @@ def _tensor_file_bytes(path: str, metadata) -> int:
     return total
 
 
+def _stored(path: str, metadata, key: str) -> Optional[Tuple[List[int], torch.dtype]]:
+    """The shape and dtype DCP's metadata records for ``key`` (``None`` when it has no such entry),
+    checked to be a shape and a dtype: the file is anyone's."""
+    md = metadata.state_dict_metadata.get(key)
+    if md is None:
+        return None
+    size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(size, torch.Size) or not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{path}/{store.DCP_METADATA}: the entry of {key} is malformed: the checkpoint is "
+                              "damaged or crafted; refused")
+    return list(size), dtype
+
+
 def check_before_building(path: str, derived: Derived) -> None:
     """That the checkpoint at ``path`` holds the model ``derived`` describes, before a byte of it
     is allocated (one line otherwise): the layers the config asks for are in meta.json's shapes
@@ -111,8 +138,11 @@ def check_before_building(path: str, derived: Derived) -> None:
                               f"{_stacked_layers(recorded)}: the checkpoint is damaged or crafted; refused")
     expected = plan.logical_shapes(derived)
     sharded.check_shapes(path, recorded, expected, True, False)
-    needed = sum(math.prod(shape) for shape in expected.values()) * tcfg.params_dtype.itemsize
-    held = _tensor_file_bytes(path, read_metadata(path))
+    metadata = read_metadata(path)
+    # Each tensor in the dtype it was saved in (an import keeps its source's), which loading casts.
+    needed = sum(math.prod(shape) * (_stored(path, metadata, f"model/{name}") or ([], tcfg.params_dtype))[1].itemsize
+                 for name, shape in expected.items())
+    held = _tensor_file_bytes(path, metadata)
     if held < needed:
         raise CheckpointError(f"{path}: its model tensors take {needed:,} bytes but its tensor files hold only "
                               f"{held:,}: the checkpoint is damaged or crafted; refused")
@@ -126,6 +156,74 @@ def save_model(path: str, model: torch.nn.Module, cfg: RunConfig, derived: Deriv
     with _one_process():
         sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta,
                      rng_states=False)
+
+
+def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, derived: Derived, layout: dict,
+                 files: Optional[Mapping[str, bytes]] = None) -> None:
+    """Write the logical tensors of the model ``derived`` describes, one at a time, as a
+    weights-only checkpoint into the empty directory ``path`` (``lazy_write``), each in the dtype
+    it is made in; ``files`` (name -> content) go beside them, under the checksums. The tensors
+    must be exactly the model's (the caller has checked them against their source)."""
+    expected = plan.logical_shapes(derived)
+    given = {n: list(t.shape) for n, t in tensors.items()}
+    if given != expected:
+        wrong = sorted(n for n in set(given) | set(expected) if given.get(n) != expected.get(n))
+        raise ValueError(f"{wrong[0]}: {given.get(wrong[0])} given, {expected.get(wrong[0])} in the model")
+    for name, content in (files or {}).items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(content)
+    dtypes = {str(t.dtype) for t in tensors.values()}
+    meta = plan.meta(cfg, derived, 0, 0, saved_layout=layout)
+    meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else meta["dtype"]
+    with _one_process():
+        lazy_write.write(path, tensors, meta)
+
+
+def tensor_sources(path: str, shapes: Mapping[str, Sequence[int]],
+                   main: bool = False) -> Dict[str, Tuple[str, List[int], torch.dtype]]:
+    """Where each logical tensor of ``shapes`` is in the checkpoint at ``path`` (key, shape, and the
+    dtype it was saved in): ``model/<name>``, or with ``main`` the fp32 main weights that a 16-bit
+    run keeps beside its model (``main/<name>``) where there are some. A tensor that DCP's metadata
+    lacks, or holds in another shape, is one line: the checkpoint is damaged or crafted."""
+    metadata = read_metadata(path)
+    out = {}
+    for name, shape in shapes.items():
+        key = f"main/{name}" if main and f"main/{name}" in metadata.state_dict_metadata else f"model/{name}"
+        found = _stored(path, metadata, key)
+        if found is None or found[0] != list(shape):
+            raise CheckpointError(f"{path}: tensor {key} is {found[0] if found else 'missing'} in its "
+                                  f"{store.DCP_METADATA} but {list(shape)} in {store.META}: the checkpoint is damaged "
+                                  "or crafted; refused")
+        out[name] = key, found[0], found[1]
+    return out
+
+
+# Bytes of logical tensors one read brings in: far below a model, far above DCP's cost per read.
+READ_BYTES = 256 * 1024**2
+
+
+def read_tensors(path: str, tensors: Sequence[Tuple[str, List[int], torch.dtype]],
+                 read_bytes: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The whole tensors of the checkpoint at ``path`` that ``tensors`` names (``tensor_sources``:
+    key, shape, stored dtype), in this order and each in its stored dtype, a few at a time: each
+    read brings in consecutive tensors up to ``read_bytes`` (default ``READ_BYTES``; at least
+    one), whatever layout wrote them, so memory holds one read, never the model. Check the
+    checkpoint first (``checked_config``, ``sharded.verify``)."""
+    read_bytes = READ_BYTES if read_bytes is None else read_bytes
+    group: list = []
+    size = 0
+    for item in [*tensors, None]:
+        nbytes = 0 if item is None else math.prod(item[1]) * item[2].itemsize
+        if group and (item is None or size + nbytes > read_bytes):
+            sd = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in group}
+            with _one_process():
+                safe_load(sd, path)
+            for key, _, _ in group:
+                yield key, sd.pop(key)
+            group, size = [], 0
+        if item is not None:
+            group.append(item)
+            size += nbytes
 
 
 def tokenizer_for(path: str, cfg: RunConfig):

@@ -1,7 +1,7 @@
 """Import a Hugging Face model directory as a checkpoint, and export a checkpoint back.
 
-The families are GPT-2, Llama and Mixtral (our GPT), BERT and T5, one module each with its name map
-(``convert.name_map``). Import dispatches on ``config.json``'s ``model_type``; export on the
+The families are listed in ``convert.families`` (one module each with its name map,
+``convert.name_map``). Import dispatches on ``config.json``'s ``model_type``; export on the
 checkpoint's ``model.arch``, then (for GPT) on which Hugging Face family the model fits.
 Checkpoint tensors are logical (``backends.logical_parameters``): one per expert of an MoE layer,
 whose experts the model stacks in one parameter.
@@ -18,17 +18,21 @@ repository's ``blobs``. Vocabulary tables are stored unpadded, as every checkpoi
 each run pads them to its own TP multiple.
 
 The weights' names and shapes are checked against ``config.json`` from the files' headers before
-the model is built (on the meta device), so a config that claims 100000 layers is one line at
-once, not minutes of building.
+anything is built or read, so a config that claims 100000 layers is one line at once, not minutes
+of building.
 
-Export loads a checkpoint whole in one process and writes ``config.json`` plus safetensors that
-``transformers``' ``from_pretrained`` reads, the padding rows dropped and tied copies left out
-(as ``save_pretrained`` leaves them out).
+Both directions stream (``convert.stream``): one tensor at a time, never the whole model, each
+tensor in the dtype it has (an import keeps its files' dtype; an export writes the checkpoint's
+own unless ``dtype`` says otherwise). Export writes ``config.json`` plus safetensors that
+``transformers``' ``from_pretrained`` reads, tied copies left out (as ``save_pretrained`` leaves
+them out). Either writes into a hidden sibling directory renamed to ``output`` at the end: a
+failed conversion leaves no partial output.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from typing import Dict, List, Optional
@@ -36,17 +40,16 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_hydra import untrusted
-from megatron_hydra.checkpoint import sharded, standalone
+from megatron_hydra.checkpoint import plan, sharded, standalone
+from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
-from megatron_hydra.convert import hf_files, name_map
+from megatron_hydra.convert import hf_files, name_map, stream
 from megatron_hydra.convert.families import FAMILIES, family_for
 from megatron_hydra.convert.mapping import HFWeights
 from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
 from megatron_hydra.models.archs import ARCHS
-from megatron_hydra.models.backends import logical_parameters
-from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel.state import ParallelState
 
 TOKENIZER = "tokenizer.json"
@@ -80,10 +83,6 @@ def _default_name(hf_dir: str) -> str:
     return re.sub(r"[^a-z0-9_]+", "_", base).strip("_") or "imported"
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
-
-
 def from_hf(input: str, output: str, parallel: str = "single", name: Optional[str] = None) -> str:
     """Import the Hugging Face model directory ``input`` into a checkpoint at ``output``;
     returns the command that fine-tunes it."""
@@ -107,41 +106,33 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
     cfg, derived = standalone.single_process(cfg)
     cfg.parallel = composed.parallel  # recorded as the intended layout; loading ignores it
-    model = _imported_model(family, input, cfg, derived.transformer)
-    standalone.save_model(output, model, cfg, derived, layout={"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1})
-    for file_name, content in extras.items():
-        with open(os.path.join(output, file_name), "wb") as f:
-            f.write(content)
+    tensors = _import_tensors(family, input, cfg, derived)
+    layout = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
+    with stream.staged(output) as stage:
+        standalone.save_tensors(stage, tensors, cfg, derived, layout, files=extras)
     return _fine_tune_command(cfg, output, parallel)
 
 
-def _imported_model(family, input: str, cfg: RunConfig, tcfg) -> torch.nn.Module:
-    """The model of ``tcfg`` holding the weights of the directory ``input``. The files' names and
-    shapes are checked against the config first, from their headers alone; only then is the model
-    built (on the meta device) and given the tensors, so a config.json that claims far more than
+def _import_tensors(family, input: str, cfg: RunConfig, derived) -> Dict[str, LazyTensor]:
+    """Our logical tensors of the directory ``input``, each read when the checkpoint writer
+    reaches it. The files' names and shapes are checked against the config first, from their
+    headers alone, with the model cut to its first layers; only then are the whole model's logical
+    tensors listed (from a model on the meta device), so a config.json that claims far more than
     its files hold costs nothing."""
+    tcfg = derived.transformer
     files = hf_files.read_weights(input)
     weights = HFWeights(files, input, files.shapes)
     name_map.check_files(family.NAME_MAP, weights, tcfg, lambda: _first_layer(cfg))
-    model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
-    ours = name_map.import_weights(family.NAME_MAP, weights, tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size))
-    state = {n: _pad_rows(t, tcfg.padded_vocab_size) if n in VOCAB_TABLES else t for n, t in ours.items()}
-    params = _parameters_from_logical(model, state)
-    tags = {n: dict(p.__dict__) for n, p in model.named_parameters()}  # TP and expert tags
-    model.load_state_dict({n: t.to(tcfg.params_dtype).contiguous() for n, t in params.items()}, strict=True, assign=True)
-    for n, p in model.named_parameters():  # assign=True made new Parameters: give them their tags
-        p.__dict__.update(tags[n])
-    return model
+    shapes = plan.logical_shapes(derived)
+    return stream.import_tensors(family.NAME_MAP, weights, tcfg, shapes, files.dtypes, files.file_of)
 
 
 def _first_layer(cfg: RunConfig):
-    """The model of ``cfg`` cut to one layer per stack, on the meta device, and its logical
-    shapes: what ``name_map.check_files`` compares the files' shapes with before the whole model
-    is built."""
+    """The model of ``cfg`` cut to its first layers (``name_map.first_layers``: one of each kind),
+    on the meta device, and its logical shapes: what ``name_map.check_files`` compares the files'
+    shapes with before the whole model is built."""
     first = copy.deepcopy(cfg)
-    first.model.num_layers = min(first.model.num_layers, 1)
-    if first.model.num_decoder_layers is not None:
-        first.model.num_decoder_layers = min(first.model.num_decoder_layers, 1)
+    first.model = name_map.first_layers(first.model)
     tcfg = standalone.single_process(first)[1].transformer
     model = ARCHS[tcfg.arch].build(tcfg, ParallelState.single(), device="meta")
     return tcfg, sharded.logical_shapes(model, 1, tcfg.vocab_size)
@@ -192,23 +183,6 @@ def _model_files(directory: str) -> Dict[str, bytes]:
     return out
 
 
-def _parameters_from_logical(model: torch.nn.Module, logical: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``model``'s state dict from its logical tensors: a parameter that holds several (an MoE
-    layer's stacked experts, ``backends.logical_parameters``) gets them stacked in its order."""
-    parts: Dict[str, list] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for lp in logical_parameters(model):
-        parts.setdefault(names[id(lp.param)], []).append(lp)
-    out = {}
-    for name, lps in parts.items():
-        if len(lps) == 1 and lps[0].rows is None:
-            out[name] = logical[lps[0].name]
-        else:
-            rest = lps[0].param.shape[1:]
-            out[name] = torch.cat([logical[lp.name].reshape(-1, *rest) for lp in lps])
-    return out
-
-
 def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
     """``launch.py`` continuing from the import: ``model=from_checkpoint`` reads the model from the
     checkpoint's own config, as data (a checkpoint is never a config search path). BERT and T5
@@ -237,29 +211,76 @@ def _tokenizer_source(path: str, cfg: RunConfig):
     return tokenizer if isinstance(tokenizer, HFTokenizer) else None
 
 
-def to_hf(input: str, output: str, dtype: Optional[str] = None) -> Dict[str, object]:
-    """Export the checkpoint ``input`` as a Hugging Face model directory ``output``."""
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"dtype={dtype}: use float32, bfloat16 or float16 (default: float32)")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def to_hf(input: str, output: str, dtype: Optional[str] = None,
+          max_shard_bytes: int = hf_files.DEFAULT_SHARD_BYTES) -> Dict[str, object]:
+    """Export the checkpoint ``input`` as a Hugging Face model directory ``output``, its tensors
+    in ``dtype`` (default: the dtype the checkpoint holds them in). A float32 export of a 16-bit
+    run takes its fp32 main weights where the checkpoint has them, as loading an fp32 model does."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype={dtype}: use {', '.join(EXPORT_DTYPES)} (default: the checkpoint's own)")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
-    cfg = standalone.read_config(input)
-    family = family_for(standalone.single_process(cfg)[1].transformer)
-    _, derived, model = standalone.load_model(input, archs=tuple(ARCHS))
+    cfg, derived = standalone.checked_config(input, archs=tuple(ARCHS))
     tcfg = derived.transformer
-    sd = {lp.name: lp.tensor.detach() for lp in logical_parameters(model)}
-    sd = {n: t[: tcfg.vocab_size] if n in VOCAB_TABLES else t for n, t in sd.items()}
-    target = DTYPES[dtype or "float32"]
-    exported = name_map.export_weights(family.NAME_MAP, sd, tcfg, with_tied=False)
-    tensors = {n: t.to(target).contiguous() for n, t in exported.items()}
-    config = {**family.hf_config(tcfg), "torch_dtype": dtype or "float32"}
+    family = family_for(tcfg)
+    sharded.verify(input, torch.device("cpu"))
+    target = DTYPES[dtype] if dtype is not None else None
+    shapes = plan.logical_shapes(derived)
+    sources = standalone.tensor_sources(input, shapes, main=target == torch.float32)
+    dtypes = {name: target or stored for name, (_, _, stored) in sources.items()}
+    steps, specs = stream.export_plan(family.NAME_MAP, tcfg, shapes, dtypes)
+    config = {**family.hf_config(tcfg), **dict.fromkeys(("dtype", "torch_dtype"), _main_dtype(specs))}
     tokenizer = _tokenizer_source(input, cfg)
     if tokenizer is not None and family.ARCH == "gpt":  # a causal LM starts and ends at end-of-document
         config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
-    files = hf_files.write(output, config, tensors)
-    if tokenizer is not None:
-        content = untrusted.read_bytes(tokenizer.path, TOKENIZER_BYTES, TOKENIZER, CheckpointError)
-        with open(os.path.join(output, TOKENIZER), "wb") as f:
-            f.write(content)
-        files.append(TOKENIZER)
+    with stream.staged(output) as stage:
+        hf_files.write_config(stage, config)
+        files = [hf_files.CONFIG, *_write_weights(input, stage, steps, specs, sources, tcfg, max_shard_bytes)]
+        for name, content in _tokenizer_files(input, tokenizer).items():
+            with open(os.path.join(stage, name), "wb") as f:
+                f.write(content)
+            files.append(name)
     return {"architecture": family.MODEL_TYPE, "files": files}
+
+
+def _write_weights(input: str, directory: str, steps, specs, sources, tcfg, max_shard_bytes: int) -> List[str]:
+    """The safetensors shards of ``specs``: each of our tensors read from the checkpoint
+    ``input`` (a few at a time), sent through its rule's inverse transform and written into its
+    place; returns the files written."""
+    dtypes = {name: dtype for name, _, dtype in specs}
+    with hf_files.ShardWriter(directory, specs, max_shard_bytes) as out:
+        step = {sources[ours][0]: (rule, theirs) for ours, rule, theirs in steps}
+        for key, t in standalone.read_tensors(input, [sources[ours] for ours, _, _ in steps]):
+            rule, theirs = step[key]
+            _put(out, theirs, rule.transform.to_theirs(t, tcfg), dtypes)
+            del t  # released before the next read, not after it
+        return out.finish()
+
+
+def _put(out: hf_files.ShardWriter, names, tensors, dtypes: Dict[str, torch.dtype]) -> None:
+    for name, t in zip(names, tensors):
+        out.put(name, t.to(dtypes[name]))
+
+
+def _main_dtype(specs) -> str:
+    """The dtype most of the exported bytes are in, as ``config.json`` names it."""
+    sizes: Dict[torch.dtype, int] = {}
+    for _, shape, dtype in specs:
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape) * dtype.itemsize
+    return str(max(sizes, key=sizes.get)).replace("torch.", "")
+
+
+def _tokenizer_files(path: str, tokenizer) -> Dict[str, bytes]:
+    """What an export copies beside the weights: the tokenizer's ``tokenizer.json`` and, for an
+    imported model, the ``tokenizer_config.json`` (its chat template) the import brought along."""
+    if tokenizer is None:
+        return {}
+    out = {TOKENIZER: untrusted.read_bytes(tokenizer.path, TOKENIZER_BYTES, TOKENIZER, CheckpointError)}
+    settings = os.path.join(path, TOKENIZER_CONFIG)
+    if os.path.isfile(os.path.join(path, TOKENIZER)) and os.path.lexists(settings):  # its own: an import
+        out[TOKENIZER_CONFIG] = untrusted.read_bytes(settings, TOKENIZER_CONFIG_BYTES, TOKENIZER_CONFIG,
+                                                     CheckpointError)
+    return out

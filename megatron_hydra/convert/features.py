@@ -19,7 +19,8 @@ FEATURES: Dict[str, Callable[[TransformerConfig], bool]] = {
     "qkv_bias": lambda c: c.qkv_bias != c.add_bias_linear,  # a bias on QKV alone (or QKV alone without one)
     "qk_norm": lambda c: c.qk_norm,
     "sliding_window": lambda c: c.sliding_window is not None and bool(c.window_layers),
-    "query_pre_attn_scalar": lambda c: c.softmax_scale is not None,
+    # T5's scale of 1 is its own architecture's (its init folds the scale in), not this key.
+    "query_pre_attn_scalar": lambda c: c.softmax_scale is not None and c.arch == "gpt",
     "attn_logit_softcapping": lambda c: c.attn_logit_softcapping is not None,
     "final_logit_softcapping": lambda c: c.final_logit_softcapping is not None,
     "zero_centered_gamma": lambda c: c.zero_centered_gamma,
