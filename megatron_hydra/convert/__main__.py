@@ -1,7 +1,7 @@
 """``python -m megatron_hydra.convert from_hf|to_hf key=value ...``
 
     from_hf input=HF_DIR output=CKPT_DIR [parallel=single|tp2|tp2_pp2|...] [name=MODEL_NAME]
-    to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16]
+    to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16|float64] (default: the checkpoint's own)
 
 Families: GPT-2 and Llama (our GPT), BERT, T5 (docs/hf_interop.md).
 
