@@ -3,7 +3,8 @@
     from_hf input=HF_DIR output=CKPT_DIR [parallel=single|tp2|tp2_pp2|...] [name=MODEL_NAME]
     to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16|float64] (default: the checkpoint's own)
 
-Families: GPT-2 and Llama (our GPT), BERT, T5 (docs/hf_interop.md).
+Families: GPT-2, Llama (3.1+ RoPE scaling), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3
+(our GPT), BERT, T5 (docs/hf_interop.md).
 
 Arguments are Hydra-style ``key=value`` overrides, typed by the dataclasses below, so a misspelled
 key is a one-line error. Errors print one line and exit with status 2.
