@@ -27,32 +27,53 @@ T5 = ["model=t5_base", "data=indexed_t5", *SHAPE, "model.kv_channels=16", "model
       "model.decoder_seq_length=16"]
 
 
-def _real_params(derived, tp_rank: int, pp_rank: int):
-    """The parameters TP rank ``tp_rank`` of pipeline rank ``pp_rank`` builds (meta device)."""
+def _real_model(derived, tp_rank: int, pp_rank: int):
+    """The model TP rank ``tp_rank`` of pipeline rank ``pp_rank`` builds (meta device)."""
     tc, tp, pp = derived.transformer, derived.tp, derived.pp
     ps = ParallelState(sizes={"pp": pp, "dp": 1, "cp": 1, "tp": tp}, rank=pp_rank * tp + tp_rank,
                        groups={"tp": StubGroup(tp, tp_rank)} if tp > 1 else None)
     stage = {} if pp == 1 else dict(layers=stage_layers(derived.layers_per_stage, pp_rank), pre_process=pp_rank == 0,
                                     post_process=pp_rank == pp - 1)
     with stub_groups():
-        model = ARCHS[tc.arch].build(tc, ps, device="meta", **stage)
-    return list(model.parameters())
+        return ARCHS[tc.arch].build(tc, ps, device="meta", **stage)
+
+
+def _real_params(derived, tp_rank: int, pp_rank: int):
+    return list(_real_model(derived, tp_rank, pp_rank).parameters())
+
+
+# A GPT with every architecture key of today's open models (docs/models.md) on: Gemma 3's
+# (QK-norm, head size apart from hidden / heads, zero-centred pre- and post-sub-layer norms, scaled
+# embeddings, windowed and global layers with their own RoPE bases, linear RoPE scaling), plus a
+# QKV-only bias and Gemma 2's soft-capping, at a small shape.
+EVERY_KEY = ["model=gemma3_12b", "data=synthetic", "model.num_layers=4", "model.hidden_size=64",
+             "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=24",
+             "model.ffn_hidden_size=96", "model.seq_length=32", "model.vocab_size=500", "model.sliding_window=8",
+             "model.sliding_window_pattern=2", "model.qkv_bias=true", "model.attn_logit_softcapping=50",
+             "model.final_logit_softcapping=30", "model.query_pre_attn_scalar=24", "precision=bf16",
+             "data.micro_batch_size=2", "data.global_batch_size=8"]
 
 
 @pytest.mark.parametrize("overrides", [
     BERT, [*BERT, "parallel=tp2", "trainer.devices=2"], [*BERT, "parallel=pp2", "trainer.devices=2"],
     [*BERT, "model.binary_head=false", "parallel=tp2_pp2", "trainer.devices=4"],
     T5, [*T5, "parallel=tp2", "trainer.devices=2"], [*T5, "model.activation=geglu", "model.tie_embeddings=false"],
-], ids=["bert", "bert_tp2", "bert_pp2", "bert_no_binary_head_tp2_pp2", "t5", "t5_tp2", "t5_v1.1_untied"])
+    [*EVERY_KEY, "parallel=tp2_pp2", "trainer.devices=4", "model.tie_embeddings=false"],
+    [*EVERY_KEY, "parallel=tp2", "trainer.devices=2"],
+], ids=["bert", "bert_tp2", "bert_pp2", "bert_no_binary_head_tp2_pp2", "t5", "t5_tp2", "t5_v1.1_untied",
+        "gpt_every_key_tp2_pp2_untied", "gpt_every_key_tp2"])
 def test_plan_counts_the_real_models_parameters(overrides):
+    """Parameters and buffers (the rotary tables) of every rank's model as built."""
     cfg = compose_config(overrides)
     derived = derive(cfg)
     for pp_rank in range(derived.pp):
         row = rank_memory(cfg, derived, pp_rank)
         for tp_rank in range(derived.tp):
-            params = _real_params(derived, tp_rank, pp_rank)
+            model = _real_model(derived, tp_rank, pp_rank)
+            params = list(model.parameters())
             n = sum(p.numel() for p in params)
             assert row.params == n, (pp_rank, tp_rank)
+            assert row.buffer_bytes == sum(b.numel() * b.element_size() for b in model.buffers())
             assert row.weight_bytes == sum(p.numel() * p.element_size() for p in params) == 2 * n  # bf16
             # fp32 gradient buffer, fp32 main weights, Adam's two fp32 moments
             assert (row.grad_bytes, row.main_weight_bytes, row.optimizer_bytes) == (4 * n, 4 * n, 8 * n)

@@ -6,24 +6,45 @@ and the two attention matmuls over the full sequence (Narayanan et al. 2021 coun
 plus the LM head. For a plain GPT (ffn = 4h, no GQA) this is the paper's
 ``72 B s l h^2 (1 + s / (6h) + V / (12 l h))``. Activation recompute is not counted: these are
 *model* FLOPs, so MFU does not reward recomputation.
+
+A sliding-window layer (``model.sliding_window`` shorter than the sequence) counts the keys its
+queries see: the query at position i sees min(w, i + 1) of them, w(w + 1)/2 + (s - w) w over the
+sequence. A window of the whole sequence or more binds nothing, so that layer is global and counted
+as one: the same computation counts the same whether or not the key is set. Soft-capping and
+QK-norm are elementwise and, like the norms, not counted.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_hydra.config.transformer_config import TransformerConfig
+
+
+def window_keys(seq: int, window: Optional[int]) -> float:
+    """Keys per query of one layer's attention over ``seq`` tokens, averaged over the queries, as
+    the model FLOPs count them (module docstring): ``seq`` unless a window shorter binds."""
+    if window is None or window >= seq:
+        return float(seq)
+    return (seq * window - window * (window - 1) / 2) / seq
+
+
+def attention_keys(cfg: TransformerConfig) -> float:
+    """``window_keys`` summed over the layers: what the attention matmuls of a token run over."""
+    return sum(window_keys(cfg.seq_length, cfg.windowed(layer)) for layer in range(cfg.num_layers))
 
 
 def model_flops_per_token(cfg: TransformerConfig) -> float:
     """A Mixture-of-Experts layer counts what a token runs through: its router, its ``top_k``
     experts and the shared expert, in place of the dense MLP."""
-    h, s, d = cfg.hidden_size, cfg.seq_length, cfg.kv_channels
+    h, d = cfg.hidden_size, cfg.kv_channels
     qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     proj = 2 * cfg.num_attention_heads * d * h
     matrices = 3 if cfg.activation in ("swiglu", "geglu") else 2
     mlp = 2 * h * cfg.ffn_hidden_size * matrices
-    attention = 2 * 2 * s * cfg.num_attention_heads * d
+    attention = 2 * 2 * cfg.num_attention_heads * d * attention_keys(cfg)
     head = 2 * h * cfg.padded_vocab_size
-    dense = cfg.num_layers * (qkv + proj + mlp + attention)
+    dense = cfg.num_layers * (qkv + proj + mlp) + attention
     moe = cfg.moe
     if moe is not None:
         routed = 2 * h * (moe.num_experts + (moe.top_k * moe.ffn_hidden_size + moe.shared_ffn_hidden_size) * matrices)

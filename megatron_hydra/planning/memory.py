@@ -28,6 +28,10 @@ parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four a
 working set of gathered blocks is added: ``planning.fsdp``. Mixture-of-Experts models (experts per
 EP rank, their own buckets, their activations): ``planning.moe``.
 
+Buffers (exact, ``buffers``): what the same meta builds hold besides parameters, each attention's
+rotary cos and sin tables ([seq, head size] in the parameter dtype, one pair per layer), whole on
+every TP rank and never in a checkpoint.
+
 Activations (Korthikanti et al. 2022): the bytes a layer, the embedding and the head keep per
 micro-batch, and the conventions the plan computes them in, are ``planning.activations``.
 
@@ -88,7 +92,10 @@ from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
 from megatron_hydra.planning import context_parallel
-from megatron_hydra.planning.memory_archs import StackBytes, chunk_parameters, outside_layers, stacks
+from megatron_hydra.planning.memory_archs import (StackBytes, chunk_buffer_bytes, chunk_parameters, outside_layers,
+                                                  stacks)
+from megatron_hydra.planning import moe
+from megatron_hydra.planning.moe import chunk_ranges
 from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, shape_only, state_bytes
 from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step
 
@@ -162,19 +169,23 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
                 rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type,
-                document_mask=cfg.data.reset_attention_mask or cfg.data.name == "sft")
+                document_mask=cfg.data.reset_attention_mask or cfg.data.name == "sft", qk_norm=tc.qk_norm,
+                post_norms=tc.post_sublayer_norm, zero_centered=tc.zero_centered_gamma,
+                softcap=tc.attn_logit_softcapping is not None)
 
 
 def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[StackBytes]) -> Tuple[float, float]:
     """(bytes a micro-batch leaves in a chunk of these stacks, extra bytes of a backward replay).
     Stacks run in the given order, so the backward replays stack k after the later stacks have
     freed theirs: the peak is the largest (stacks up to k + a region of k); the extra is that
-    peak less what all stacks keep (below zero where a later stack's bytes outweigh the replay)."""
+    peak less what all stacks keep (below zero where a later stack's bytes outweigh the replay).
+    Selective recompute replays one layer's core attention at a time (soft-capped scores make it
+    large)."""
     stored, peak = [], 0.0
     for st in chunk_stacks:
         kept = replay = 0.0
         if tc.recompute_granularity == "selective":
-            kept = st.layers * st.selective
+            kept, replay = st.layers * st.selective, max(0.0, st.full - st.selective) * (st.layers > 0)
         elif tc.recompute_granularity != "full":
             kept = st.layers * st.full
         else:
@@ -274,6 +285,7 @@ class RankMemory:
     pipeline_buffer_bytes: int = 0
     gathered_bytes: int = 0  # FSDP: unsharded weights and grads while a step runs (planning.fsdp)
     cp_buffer_bytes: int = 0  # context parallelism's exchange buffers (planning.context_parallel)
+    buffer_bytes: int = 0  # the model's buffers: each attention's rotary cos/sin tables
     # Headroom (module docstring): not in ``total_bytes``, in ``needed_bytes``.
     transient_bytes: int = 0
     context_bytes: int = 0
@@ -284,7 +296,7 @@ class RankMemory:
     def static_bytes(self) -> int:
         """What a rank holds from its first step to its last (all but the activations)."""
         return (self.weight_bytes + self.grad_bytes + self.main_weight_bytes + self.optimizer_bytes
-                + self.pipeline_buffer_bytes)
+                + self.pipeline_buffer_bytes + self.buffer_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -321,14 +333,16 @@ class MemoryPlan:
     def table(self) -> str:
         gathered = any(r.gathered_bytes for r in self.ranks)  # FSDP's column
         cp = any(r.cp_buffer_bytes for r in self.ranks)  # context parallelism's column
-        cols = ("params", "weights", "grads", "main wts", "optimizer", "p2p bufs", *(("gathered",) * gathered),
-                "activations", *(("cp bufs",) * cp), "total", "headroom", "needs")
+        tables = any(r.buffer_bytes for r in self.ranks)  # the rotary tables' column
+        cols = ("params", "weights", "grads", "main wts", "optimizer", *(("buffers",) * tables), "p2p bufs",
+                *(("gathered",) * gathered), "activations", *(("cp bufs",) * cp), "total", "headroom", "needs")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
         unit, size = ("GiB", GIB) if self.peak.needed_bytes >= GIB else ("MiB", 2**20)
         lines = [self.title] if self.title else []
         lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>12}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
-            values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes, r.pipeline_buffer_bytes,
+            values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes,
+                      *((r.buffer_bytes,) * tables), r.pipeline_buffer_bytes,
                       *((r.gathered_bytes,) * gathered), r.activation_bytes, *((r.cp_buffer_bytes,) * cp),
                       r.total_bytes, r.headroom_bytes, r.needed_bytes)
             lines.append(f"{r.position:<{width}}{_count(r.params):>12}" + "".join(f"{x / size:>12.2f}" for x in values))
@@ -430,7 +444,7 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
         padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                     cfg.optim.distributed_optimizer)
         weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
-    per_chunk = [_chunk_activations(tc, stacks(tc, layer, n)) for n, _, _ in chunks]
+    per_chunk = [_chunk_activations(tc, stacks(tc, layer, len(r), r.start)) for r in chunk_ranges(cfg, derived, pp_rank)]
     if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
         from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
         per_chunk = [(s + ds, r + dr) for (s, r), (ds, dr) in zip(per_chunk, deltas(cfg, derived, pp_rank, layer))]
@@ -441,9 +455,18 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
     row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
                      round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered,
-                     context_parallel.rank_buffer_bytes(cfg, derived))
+                     context_parallel.rank_buffer_bytes(cfg, derived), _buffer_bytes(cfg, derived, pp_rank, chunks))
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
+
+
+def _buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> int:
+    """The buffers of the rank's model chunks, as built (``memory_archs.chunk_buffer_bytes``)."""
+    tc = derived.transformer
+    if tc.moe is None:
+        return sum(chunk_buffer_bytes(shape_only(tc), layers, pre, post) for layers, pre, post in chunks)
+    return sum(moe.chunk_buffer_bytes(tc, layers, pre, post, derived.ep)
+               for (_, pre, post), layers in zip(chunks, chunk_ranges(cfg, derived, pp_rank)))
 
 
 def _merge(rows: List[RankMemory]) -> List[RankMemory]:

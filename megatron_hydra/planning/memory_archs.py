@@ -53,6 +53,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning.activations import activation_bytes_per_layer, embedding_bytes, head_bytes
+from megatron_hydra.planning.state_bytes import buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,20 @@ class StackBytes:
     checkpointed: float
 
 
-@lru_cache(maxsize=None)
 def chunk_parameters(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> Tuple[Tuple[int, bool], ...]:
     """(elements, TP-sharded) of each parameter of a chunk, in parameter order, built on the meta
     device at tp=1 with the family's own model class (``models.archs``). T5 is one whole model."""
+    return _chunk_tensors(tcfg, num_layers, pre, post)[0]
+
+
+def chunk_buffer_bytes(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> int:
+    """Bytes of the buffers of the same chunk (the rotary tables of each layer's attention), which
+    every TP rank holds whole."""
+    return _chunk_tensors(tcfg, num_layers, pre, post)[1]
+
+
+@lru_cache(maxsize=None)
+def _chunk_tensors(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool):
     from megatron_hydra.models.archs import ARCHS
     from megatron_hydra.parallel.state import ParallelState
 
@@ -78,7 +89,8 @@ def chunk_parameters(tcfg: TransformerConfig, num_layers: int, pre: bool, post: 
         model = build(tcfg, ps, device="meta")
     else:
         model = build(tcfg, ps, layers=range(num_layers), pre_process=pre, post_process=post, device="meta")
-    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
+    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
+    return params, buffer_bytes(model)
 
 
 def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
@@ -99,18 +111,28 @@ def cross_attention_bytes(seq: int, context_seq: int, micro_batch: int, hidden: 
     return total + a * t * s * b * (2 * v + mask_bytes if attention_dropout else v) / tp
 
 
-def stacks(tc: TransformerConfig, layer: dict, num_layers: int) -> List[StackBytes]:
-    """The stacks of a chunk of ``num_layers`` layers, in the order they run (T5, one chunk: its
-    ``num_layers`` encoder layers, then all ``num_decoder_layers`` decoder layers)."""
+def stacks(tc: TransformerConfig, layer: dict, num_layers: int, first: int = 0) -> List[StackBytes]:
+    """The stacks of a chunk of ``num_layers`` layers from global layer ``first``, in the order
+    they run (T5, one chunk: its ``num_layers`` encoder layers, then all ``num_decoder_layers``
+    decoder layers). A GPT chunk's layers may differ (sliding-window layers keep their mask):
+    its stack holds their mean."""
     def stack(n: int, shape: dict, extra=lambda **kw: 0.0) -> StackBytes:
         return StackBytes(n, *(activation_bytes_per_layer(**{**shape, "recompute": rc})
                                + extra(**{**shape, "recompute": rc}) for rc in (None, "selective", "full")))
 
     if tc.arch != "t5":
-        return [stack(num_layers, layer)]
+        windowed = sum(_binds(tc.windowed(i), layer["seq"]) for i in range(first, first + num_layers))
+        kinds = [(n, stack(n, {**layer, "window": w})) for n, w in ((num_layers - windowed, False), (windowed, True)) if n]
+        return [StackBytes(num_layers, *(sum(n * getattr(k, key) for n, k in kinds) / max(1, num_layers)
+                                         for key in ("full", "selective", "checkpointed")))]
     decoder = {**layer, "seq": tc.decoder_seq_length}
     return [stack(num_layers, layer),
             stack(tc.num_decoder_layers, decoder, lambda **kw: cross_attention_bytes(**kw, context_seq=layer["seq"]))]
+
+
+def _binds(window, seq: int) -> bool:
+    """Whether a layer's sliding window masks any key of a ``seq``-token sequence."""
+    return window is not None and window < seq
 
 
 def outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float, float]:

@@ -38,7 +38,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
-from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, shape_only, state_bytes
+from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, buffer_bytes, shape_only, state_bytes
 
 
 class _Numel:
@@ -69,8 +69,9 @@ def _chunk_params(tcfg: TransformerConfig, first: int, last: int, pre: bool, pos
 
     ps = ParallelState(sizes={**{a: 1 for a in AXES}, "dp": ep}, ep=ep)  # EP rank 0: E / ep experts
     model = GPTModel(tcfg, ps, layers=range(first, last), pre_process=pre, post_process=post, device="meta")
-    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_expert(p))
-                 for p in model.parameters())
+    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_expert(p))
+                   for p in model.parameters())
+    return params, buffer_bytes(model)
 
 
 def chunk_params(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, tp: int,
@@ -78,8 +79,13 @@ def chunk_params(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, 
     """(elements on one TP rank, is an expert parameter) of a chunk's parameters, in model order.
     ``whole_experts``: the experts are not split over TP (``expert_tensor_parallel_size=1``)."""
 
-    held = _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)
+    held = _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)[0]
     return [(n // tp if sharded and not (whole_experts and expert) else n, expert) for n, sharded, expert in held]
+
+
+def chunk_buffer_bytes(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, ep: int) -> int:
+    """Bytes of the buffers of the same chunk (``planning.state_bytes.buffer_bytes``)."""
+    return _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)[1]
 
 
 def expert_dp_size(derived: Derived) -> Optional[int]:

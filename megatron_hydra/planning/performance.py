@@ -42,7 +42,9 @@ of one K/V block (matmuls and softmax traffic of the GPU's queries against ``s/c
 of the whole sequence's attention at this ``t``), ring attention (``p2p``) exposes
 ``(c-1) max(0, T(kv) - A_blk)`` in the forward (each exchange hidden behind one block), and in the
 backward ``(c-1) max(0, 2 T(kv) - 2 A_blk) + T(kv)`` (K/V and the dK/dV accumulators travel
-together behind twice the compute, then the accumulators' last hop home); Ulysses (``a2a``)
+together behind twice the compute, then the accumulators' last hop home; a layer whose sliding
+window binds computes its own share of the layers' attention, unevenly over the steps, and each
+step hides the next transfer behind its own block: ``context_parallel.ring_step_weights``); Ulysses (``a2a``)
 exposes 8 all-to-alls of ``(c-1)/c * b (s/c) (a/t) k e`` bytes per GPU (4 forward, 4 backward). A
 recomputed forward (full recompute) repeats the forward's exchanges; selective recompute leaves
 context-parallel attention alone (it keeps only its output and log-sum-exp, nothing quadratic, so
@@ -97,6 +99,11 @@ project):
   causal model (``arch=gpt``) skips the masked half of the score blocks: the two attention matmuls
   take ``1/2`` of ``4 s a k`` FLOPs per token in time (the model FLOPs still count them whole),
   at ``attention_efficiency * eta * peak`` (fitted: fused attention runs well below the GEMMs).
+  The layers' other kernels (``parallel.document_masks.masked_attention``) skip nothing: a
+  binding sliding window runs SDPA's memory-efficient kernel with a mask, which computes every
+  score (``4 s a k``, though the model FLOPs count only the keys in the window); soft-capped
+  scores run in plain ops, their matmuls at ``eta * peak`` over every score and ``c_capped`` element
+  passes over the ``a s`` scores of a token at HBM speed, as without flash attention.
 * ``fused_kernels`` (``model.transformer_impl=transformer_engine``): the layer norm fused into the
   next matmul's input and bias-dropout-add fused into one kernel: ``c_h_fused = 6`` element passes
   per token and layer instead of ``c_h = 12``.
@@ -139,13 +146,14 @@ expert-parallel terms are not calibrated.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
-from megatron_hydra.planning.flops import loss_tokens
+from megatron_hydra.planning.flops import loss_tokens, window_keys
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -160,6 +168,11 @@ class Constants:
     c_h: float = 12.0
     c_s: float = 5.0
     c_h_fused: float = 6.0  # element passes with Transformer Engine's fused kernels
+    # Element passes (of e bytes) over soft-capped scores in plain ops, forward: the matmul writes
+    # them (1), scale, cap, tanh, un-cap and mask each read and write them (10), the float32 softmax
+    # reads them and writes 4-byte values (3), reads those twice and writes them (6), the cast
+    # reads them and writes e bytes (3), the value matmul reads those (1). Counted, not calibrated.
+    c_capped: float = 24.0
     gpu_eta: Tuple[Tuple[str, float], ...] = ()  # (cluster.gpu, eta) where it differs from ``eta``
     fp8_efficiency: float = 1.0  # achieved fraction of the FP8 rate relative to bf16's eta
     attention_efficiency: float = 1.0  # flash attention's rate relative to the matmuls' eta
@@ -278,11 +291,15 @@ class LayerStack:
     layers: int
     tokens: int  # per sample: the stack's own tokens (queries)
     projections: Tuple[float, ...]
-    attention: float
+    attention: float  # as the model FLOPs count it (``planning.flops``), averaged over the layers
     branches: int
     tp_forward: Tuple[int, ...]
     tp_backward: Tuple[int, ...]
     params: float  # per layer, dense (MoE experts: ``_params_per_gpu``)
+    attention_fused: float  # what the fused kernels compute (flash: causal half; masked: every score)
+    attention_plain: float  # what the layers whose capped scores run in plain ops compute
+    attention_dense: float  # what an unfused kernel computes: every score, masked or not
+    capped: float  # the share of the layers whose scores are soft-capped
 
 
 def layer_stacks(tc: TransformerConfig) -> Tuple[LayerStack, ...]:
@@ -297,14 +314,37 @@ def layer_stacks(tc: TransformerConfig) -> Tuple[LayerStack, ...]:
     if moe is not None:
         params += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
     s = tc.seq_length
-    own = LayerStack(tc.num_layers, s, _projection_flops_per_token(tc), float(4 * s * a * k), 2, (s, s), (s, s), params)
+    counted, fused, plain = _attention_keys(tc)
+    own = LayerStack(tc.num_layers, s, _projection_flops_per_token(tc), 4 * a * k * counted, 2, (s, s), (s, s), params,
+                     4 * a * k * fused, 4 * a * k * plain, float(4 * s * a * k), plain / s)
     if tc.arch != "t5":
         return (own,)
     t = tc.decoder_seq_length
     cross = (2.0 * h * a * k, 2.0 * a * k * h, 2.0 * h * 2 * g * k * s / t)  # per decoder token: query, output, K/V
-    decoder = LayerStack(tc.num_decoder_layers, t, own.projections + cross, float(4 * (t + s) * a * k), 3, (t, t, t),
-                         (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k)
+    attention = float(4 * (t + s) * a * k)
+    decoder = LayerStack(tc.num_decoder_layers, t, own.projections + cross, attention, 3, (t, t, t),
+                         (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k, attention, 0.0, attention, 0.0)
     return own, decoder
+
+
+def _attention_keys(tc: TransformerConfig) -> tuple:
+    """Keys per query, averaged over the layers of a GPT or BERT stack: (as the model FLOPs count
+    them, as the fused kernels compute them, as plain ops compute them) (module docstring)."""
+    computed = [_computed_keys(tc, i) for i in range(tc.num_layers)]
+    counted = sum(window_keys(tc.seq_length, tc.windowed(i)) for i in range(tc.num_layers))
+    return tuple(x / tc.num_layers for x in (counted, sum(f for f, _ in computed), sum(p for _, p in computed)))
+
+
+def _computed_keys(tc: TransformerConfig, layer: int) -> tuple:
+    """(keys a fused kernel computes, keys plain ops compute) per query of ``layer`` on a GPU with
+    flash attention: a causal flash kernel half the sequence, a masked one (binding window) all of
+    it, soft-capped scores all of it in plain ops."""
+    s = tc.seq_length
+    if tc.attn_logit_softcapping is not None:
+        return 0.0, float(s)
+    if window_keys(s, tc.windowed(layer)) < s or tc.arch != "gpt":
+        return float(s), 0.0
+    return 0.5 * s, 0.0
 
 
 def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
@@ -440,17 +480,20 @@ def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: 
     """One layer of ``st``: forward matmul and memory-bound seconds, recompute, TP collectives."""
     t = lay.tp
     tokens_mb = lay.micro_batch * st.tokens / lay.cp
-    causal = 0.5 if lay.flash_attention and tc.arch == "gpt" else 1.0
     projections = [tokens_mb * x / t / linear_peak for x in st.projections]
-    attn_rate = peak * (c.attention_efficiency if lay.flash_attention else 1.0)
-    mm_dense, mm_attn = sum(projections), causal * tokens_mb * st.attention / t / attn_rate
+    if lay.flash_attention:
+        mm_attn = tokens_mb * (st.attention_fused / (peak * c.attention_efficiency) + st.attention_plain / peak) / t
+        score_passes = c.c_capped * st.capped
+    else:
+        mm_attn, score_passes = tokens_mb * st.attention_dense / t / peak, c.c_s
+    mm_dense = sum(projections)
     h_rep = tc.hidden_size / t if lay.sequence_parallel else tc.hidden_size
     x = _moe_fraction(tc)
     f = (1 - x) * tc.ffn_hidden_size + x * _mlp_widths(tc)[1]
     passes = (c.c_h_fused if lay.fused_kernels else c.c_h) * st.branches / 2
     mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
-    keys = st.attention / (4 * tc.kv_channels)  # a s: the scores per query of every head
-    mem_s = 0.0 if lay.flash_attention else c.kappa * ACT_BYTES * tokens_mb * c.c_s * keys / t / hbm
+    keys = st.attention_dense / (4 * tc.kv_channels)  # a s: the scores per query of every head
+    mem_s = c.kappa * ACT_BYTES * tokens_mb * score_passes * keys / t / hbm
     fwd = mm_dense + mm_attn + mem_h + mem_s
     selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
     extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
@@ -501,10 +544,28 @@ def cp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig,
     replays = 1 if lay.recompute == "full" else 0  # selective recompute leaves CP attention alone
     if lay.cp_comm == "p2p":
         kv = cpp.kv_block_bytes(b, s, cp, tc.num_query_groups, k, t, ACT_BYTES)
-        return cpp.ring_seconds(cp, _ring_time(kv, link, c), block_attention, replays)
+        return _ring_over_layers(tc, lay, _ring_time(kv, link, c), block_attention, replays)
     tensor = cpp.a2a_tensor_bytes(b, s, cp, tc.num_attention_heads, k, t, ACT_BYTES)
     seconds = cpp.a2a_seconds(cp, tensor, lambda x: _ring_time(x, link, c), replays)
     return seconds, seconds
+
+
+def _ring_over_layers(tc: TransformerConfig, lay: Layout, transfer: float, block_attention: float,
+                      replays: int) -> tuple:
+    """The ring's (raw, exposed) seconds averaged over the layers. ``block_attention`` is the
+    layers' mean; under flash attention each layer computes its own share of it
+    (``_computed_keys``), a binding window's unevenly over the ring's steps
+    (``context_parallel.ring_step_weights``)."""
+    s, cp, layers = tc.seq_length, lay.cp, range(tc.num_layers)
+    kinds = Counter((tc.windowed(i) if window_keys(s, tc.windowed(i)) < s else None,
+                     sum(_computed_keys(tc, i)) if lay.flash_attention else 1.0) for i in layers)
+    mean = sum(keys * n for (_, keys), n in kinds.items()) / tc.num_layers
+    raw = exposed = 0.0
+    for (window, keys), n in kinds.items():
+        r, e = cpp.ring_seconds(cp, transfer, block_attention * keys / mean, replays,
+                                cpp.ring_step_weights(cp, s, window))
+        raw, exposed = raw + r * n / tc.num_layers, exposed + e * n / tc.num_layers
+    return raw, exposed
 
 
 def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterConfig, c: Constants,

@@ -32,4 +32,11 @@ def shape_only(tcfg: TransformerConfig) -> TransformerConfig:
     """``tcfg`` with what does not change the logical tensors reset (a cache key for the builds)."""
     return dataclasses.replace(tcfg, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
                                recompute_granularity=None, recompute_method="uniform", recompute_num_layers=1,
-                               transformer_impl="local", fp8=None, context_parallel_size=1, cp_comm_type="p2p")
+                               transformer_impl="local", fp8=None, context_parallel_size=1, cp_comm_type="p2p",
+                               sliding_window=None, window_layers=(), attn_logit_softcapping=None,
+                               final_logit_softcapping=None)
+
+
+def buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a (meta) model's buffers: what a rank holds besides parameters from its start."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())
