@@ -100,21 +100,24 @@ class GPTModel(nn.Module):
 
 class _SoftCap(torch.autograd.Function):
     """cap * tanh(logits / cap) over the head's logits, whose entries from ``first_padded`` on stay
-    -inf. The head hands its logits over (nothing else reads them): in place they become tanh, then
-    the backward's factor 1 - tanh^2, so the cap adds one logits-sized tensor, its result (which
-    the loss takes over in turn), where torch's own ops would keep three."""
+    -inf. The head hands its logits over (nothing else reads them), so they are capped in place
+    (marked dirty); the backward's factor 1 / cosh^2(logits / cap) is formed from the uncapped
+    values in at least float32 (1 - tanh^2 of a rounded tanh cancels near the cap), so the cap
+    adds one logits-sized tensor where torch's own ops would keep three."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, cap: float, first_padded: int) -> torch.Tensor:
-        tanh = logits.div_(cap).tanh_()
-        out = tanh * cap
-        if first_padded < out.shape[-1]:
-            out[..., max(first_padded, 0):] = float("-inf")
-        ctx.save_for_backward(tanh.mul_(tanh).neg_().add_(1))
-        return out
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        slope = torch.cosh(logits.to(wide) / cap).pow_(-2).to(logits.dtype)
+        logits.div_(cap).tanh_().mul_(cap)
+        if first_padded < logits.shape[-1]:
+            logits[..., max(first_padded, 0):] = float("-inf")
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(slope)
+        return logits
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (slope,) = ctx.saved_tensors
-        return slope.mul_(grad), None, None
+        return grad * slope, None, None

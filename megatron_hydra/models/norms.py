@@ -12,12 +12,16 @@ from megatron_hydra.config.transformer_config import TransformerConfig
 
 
 class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """(1 + w) formed in float32 at least, as the reference (Gemma) computes it: in bf16, 1 + w
+    would round w's small deviations from zero away."""
+
     def reset_parameters(self) -> None:
         if self.weight is not None:
             nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, 1 + self.weight, self.eps)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        return F.rms_norm(x.to(wide), self.normalized_shape, 1 + self.weight.to(wide), self.eps).to(x.dtype)
 
 
 class ZeroCenteredLayerNorm(nn.LayerNorm):
@@ -27,7 +31,9 @@ class ZeroCenteredLayerNorm(nn.LayerNorm):
             nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, 1 + self.weight, self.bias, self.eps)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(wide)
+        return F.layer_norm(x.to(wide), self.normalized_shape, 1 + self.weight.to(wide), bias, self.eps).to(x.dtype)
 
 
 def norm_module(cfg: TransformerConfig, size: int, device=None) -> nn.Module:

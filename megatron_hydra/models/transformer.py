@@ -70,7 +70,7 @@ class Attention(nn.Module):
         d = cfg.kv_channels
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
         common = dict(sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
-        qkv_bias = cfg.add_bias_linear if cfg.qkv_bias is None else cfg.qkv_bias
+        qkv_bias = cfg.qkv_bias  # resolved by TransformerConfig
         if cross:
             self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d, ps.tp_group, bias=qkv_bias,
                                           **common)

@@ -20,7 +20,8 @@ softmax row is empty there; context-parallel ring blocks can have empty rows
 (Mistral, Gemma), soft-capped scores (Gemma 2), queries that continue a cached prefix (generation),
 each alone or together. Positions, not indices, decide the mask, so the same call serves a whole
 sequence, a KV cache trimmed to its window and a context-parallel rank's block. Without a cap it
-is SDPA with a boolean mask (any device's fused kernel); a cap must act on the scores before the
+is SDPA with a boolean mask (a GPU's memory-efficient kernel, given keys and values repeated per
+query head, which it needs with a mask); a cap must act on the scores before the
 softmax, which no fused kernel offers, so that path spells the attention out in plain torch ops.
 """
 
@@ -114,6 +115,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         same = allowed(document_ids[:, offset:offset + sq], document_ids, causal=False)  # [b, 1, sq, sk]
         permitted = same if permitted is None else permitted & same
     if softcap is None:
+        if gqa and q.device.type != "cpu":  # a GPU's memory-efficient kernel takes a mask but not GQA
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=permitted, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=gqa)
     return _capped_attention(q, k, v, scale, softcap, permitted, dropout_p)
