@@ -97,7 +97,6 @@ def resolve(cfg: RunConfig) -> Dict[str, Any]:
         raise ConfigError("model.qk_norm=true is an RMSNorm over each head: it needs model.normalization=rmsnorm")
     return dict(
         rope_scaling=_rope_scaling(cfg),
-        qkv_bias=m.add_bias_linear if m.qkv_bias is None else m.qkv_bias,
         window_layers=layers,
         softmax_scale=None if m.query_pre_attn_scalar is None else m.query_pre_attn_scalar ** -0.5,
     )
