@@ -33,7 +33,10 @@ The architecture keys of today's open models (docs/models.md) add, per layer:
     QK-norm                        4 sb (a + g) / t  (the fp32 statistic of each head's row; its
                                    input is a view of the QKV output, which stays alive; without
                                    RoPE its outputs are new tensors like the rotated ones)
-    zero-centred norms             v x the width of each norm (the (1 + w) each norm keeps)
+    zero-centred norms             v x the width of each norm (the (1 + w) each norm keeps); below
+                                   float32, each keeps its input widened to float32 instead (4 - v
+                                   more bytes an element: the norm runs in float32, as Gemma's does;
+                                   for QK-norm the dry run measures it on Q's heads only)
     sliding window (w < s)         v s^2: the mask the memory-efficient kernel keeps, [1, 1, s, s]
     soft-capped scores             a s^2 b / t x (v + w + v): the capped scores tanh keeps, the
                                    softmax's output in w = max(v, 4) bytes, its cast to v for the
@@ -105,6 +108,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
         total += 4 * q * b * (a + g) / t
     if zero_centered:
         total += v * (norms * h + (2 * d if qk_norm else 0))
+        if v < 4:  # models.norms: a zero-centred norm keeps its input widened to float32
+            total += (4 - v) * (norms * qbh * r + (q * b * a * d / t if qk_norm else 0))  # Q's heads: as measured
     total += context_parallel.layer_extra_bytes(cp, cp_comm, rotary, tokens=q * b, heads=a, kv_channels=d, tp=t, value_bytes=v)
     if recompute == "selective" and cp == 1:
         return total
@@ -156,4 +161,4 @@ def head_bytes(tc: TransformerConfig, shape: dict, tokens: float, tp: int) -> fl
     r = 1.0 / tp if tc.sequence_parallel else 1.0
     b, h, v = shape["micro_batch"], shape["hidden"], shape["value_bytes"]
     logits = v * tokens * b * tc.padded_vocab_size / tp * (2 if tc.final_logit_softcapping else 1)  # + the cap's slope
-    return v * tokens * b * h * r + v * tokens * b * h + logits + 8 * tokens * b + (v * h if tc.zero_centered_gamma else 0)
+    return v * tokens * b * h * r + v * tokens * b * h + logits + 8 * tokens * b + (v * h + max(0, 4 - v) * tokens * b * h * r if tc.zero_centered_gamma else 0)
