@@ -243,3 +243,23 @@ def test_peak_memory_is_a_fraction_of_the_model(imported, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     grew = json.loads(done.stdout.strip().splitlines()[-1])
     assert grew["import"] < 0.4 * model_bytes and grew["export"] < 0.4 * model_bytes, (grew, model_bytes)
+
+
+def test_seal_records_every_file_then_the_marker(tmp_path):
+    """The one way a checkpoint is finished (an import's writer, and a training save's steps):
+    meta.json with the size and SHA-256 of every file already there, then the marker."""
+    import hashlib
+
+    from megatron_hydra.checkpoint import store
+
+    files = {"__0_0.distcp": b"x" * 10, "tokenizer.json": b"{}", "rng/rank_00000.pt": b"y"}
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / store.DCP_METADATA).write_bytes(b"z")
+    files[store.DCP_METADATA] = b"z"
+    assert not store.is_complete(str(tmp_path))
+    store.seal(str(tmp_path), {"step": 0, "consumed_samples": 0, "shapes": {}, "has_optimizer": False})
+    meta = store.validate(str(tmp_path))
+    assert meta["checksums"] == {name: {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+                                 for name, content in files.items()}

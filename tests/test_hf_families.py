@@ -160,7 +160,7 @@ def _load(ckpt: str, tp: int = 1, pp: int = 1, cp: int = 1, world: int = 1):
     from megatron_hydra.checkpoint import sharded, standalone
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import build_stage_chunks
+    from megatron_hydra.models.stages import build_stage_chunks
 
     cfg, _ = standalone.single_process(standalone.read_config(ckpt))
     cfg.precision.params_dtype = "float64"

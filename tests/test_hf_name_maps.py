@@ -13,6 +13,7 @@ import torch
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert import bert, gemma2, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, t5
+from megatron_hydra.convert.families import why_not
 from megatron_hydra.convert.mapping import HFConfig, HFWeights
 from megatron_hydra.convert.name_map import export_weights, import_weights
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -137,7 +138,7 @@ def test_mixtral_experts_by_name_and_the_refusals():
     with pytest.raises(ConfigError, match="Mixtral sliding_window=4096 is not supported"):
         mixtral.model_config(HFConfig(dict(MIXTRAL, sliding_window=4096), "config.json"), "test")
     dense, _, _ = _model(llama, LLAMA)
-    assert llama.compatible(tcfg) and mixtral.compatible(dense) and not mixtral.compatible(tcfg)
+    assert why_not(llama, tcfg) and why_not(mixtral, dense) and not why_not(mixtral, tcfg)
 
 
 GPT_VARIANTS = [name for name, (family, _) in VARIANTS.items() if family.ARCH == "gpt"]
@@ -149,7 +150,7 @@ def test_config_json_round_trip_gives_back_our_model_config(variant):
     family, hf = VARIANTS[variant]
     model = family.model_config(HFConfig(hf, "config.json"), "test")
     tcfg = derive(RunConfig(model=model, run_dir="unused")).transformer
-    assert family.compatible(tcfg) == ""
+    assert why_not(family, tcfg) == ""
     assert family.model_config(HFConfig(family.hf_config(tcfg), "config.json"), "test") == model
 
 
@@ -234,7 +235,7 @@ def test_export_picks_the_plainest_family_that_expresses_the_model(overrides, fa
 
 @pytest.mark.parametrize("overrides, reason", [
     ({"sliding_window": 8, "sliding_window_pattern": [1, 0]}, "Mistral windows every layer or none"),
-    ({"final_logit_softcapping": 30.0}, "Llama has no model.final_logit_softcapping"),
+    ({"final_logit_softcapping": 30.0}, "llama has no model.final_logit_softcapping"),
     ({"qkv_bias": False, "add_bias_linear": True}, "Qwen2 has biases on q, k and v alone"),
 ])
 def test_a_model_no_family_expresses_is_one_line_with_each_reason(overrides, reason):
@@ -257,3 +258,93 @@ def test_shapes_are_checked_on_a_model_cut_to_one_layer_of_each_kind():
     tcfg = derive(RunConfig(model=cut, run_dir="unused")).transformer
     assert tcfg.moe_layers == (1,)
     assert first_layers(llama.model_config(HFConfig(LLAMA, "c"), "t")).num_layers == 1
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("family, hf, message", [
+    *((gemma3, dict(GEMMA, rope_parameters={"full_attention": bad, "sliding_attention": {"rope_type": "default"}}),
+       "config.json: rope_parameters.full_attention=") for bad in ("abc", [1, 2], 5)),
+    (gemma3, dict(GEMMA, rope_parameters={"full_attention": {}, "sliding_attention": [[1]]}),
+     "config.json: rope_parameters.sliding_attention=[[1]] should be an object"),
+    (qwen3_moe, dict(QWEN3_MOE, mlp_only_layers=[[1]]), "config.json: mlp_only_layers=[[1]] is not supported"),
+    (qwen3_moe, dict(QWEN3_MOE, mlp_only_layers=[0.5]), "config.json: mlp_only_layers=[0.5] is not supported"),
+    (qwen3, dict(LLAMA, rope_parameters=dict(YARN, original_max_position_embeddings=0)),
+     "config.json: original_max_position_embeddings=0 is not supported"),
+    (qwen3, dict(LLAMA, original_max_position_embeddings=0, rope_parameters={"rope_type": "yarn"}),
+     "config.json: original_max_position_embeddings=0 is not supported"),
+    (qwen3, dict(LLAMA, max_position_embeddings=0, rope_parameters={"rope_type": "yarn", "factor": 0}),
+     "config.json: max_position_embeddings=0 is not supported"),
+    (llama, dict(LLAMA, rope_theta=0), "config.json: rope_theta=0.0 is not supported"),
+    (llama, dict(LLAMA, num_attention_heads=0), "config.json: num_attention_heads=0 is not supported"),
+    (mistral, dict(LLAMA, sliding_window=-4), "config.json: sliding_window=-4 is not supported"),
+], ids=["full-str", "full-list", "full-int", "sliding-nested-list", "mlp-only-nested-list", "mlp-only-float",
+        "yarn-original-0", "yarn-top-original-0", "yarn-positions-0", "theta-0", "heads-0", "window-negative"])
+def test_hostile_values_are_one_line_not_a_traceback(family, hf, message):
+    """Values of the right JSON kind in the wrong place (an object where a number is, a list in a
+    list, a zero that is divided by) from a crafted config.json: one line naming the key."""
+    with pytest.raises((CheckpointError, ConfigError)) as err:
+        family.model_config(HFConfig(hf, "config.json"), "test")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(20)
+def test_window_pattern_of_a_million_layers_is_read_at_once():
+    """One candidate n per pattern (the first full layer's number + 1), checked in one pass: the
+    smallest n that gives the flags, or the 0/1 list when none does, as a search over every n would
+    give, in time linear in the layers (a search over every n takes days at a million)."""
+    from megatron_hydra.convert import layer_types
+
+    million = 10**6
+    assert layer_types.pattern([bool((i + 1) % 6) for i in range(million)]) == 6
+    assert layer_types.pattern([True] * million) == 1
+    irregular = [bool((i + 1) % 2) for i in range(million - 1)] + [True]  # the last one would be global
+    assert layer_types.pattern(irregular) == [int(f) for f in irregular]
+    assert layer_types.pattern([bool((i + 1) % 6) for i in range(12)], declared=6) == 6
+    assert layer_types.pattern([True, True, False, True, True], declared=2) == 3  # the file's own, if it fits
+
+
+def test_every_family_is_held_to_the_keys_it_expresses(monkeypatch):
+    """The architecture-key check is made for every family by ``families``, not left to each
+    family's ``compatible``: a family that forgets it still cannot export a model that computes
+    something its architecture does not."""
+    import types
+
+    from megatron_hydra.convert import families
+
+    careless = types.SimpleNamespace(MODEL_TYPE="careless", ARCH="gpt", EXPRESSES=("rope_scaling",),
+                                     FEATURES=("rope_scaling",), compatible=lambda cfg: "")
+    monkeypatch.setattr(families, "FAMILIES", {"careless": careless, **families.FAMILIES})
+    tcfg = _tcfg({"qk_norm": True})
+    assert families.why_not(careless, tcfg) == "careless has no model.qk_norm"
+    assert families.family_for(tcfg).MODEL_TYPE == "qwen3"
+
+
+def test_import_is_one_lazy_walk_that_reads_each_tensor_when_made():
+    """``import_tensors`` (what a conversion streams) reads nothing until a tensor is made, then only
+    its sources, each once; ``import_weights`` is the same walk made at once."""
+    from megatron_hydra.convert.name_map import import_tensors
+
+    tcfg, shapes, ours = _model(qwen3, VARIANTS["qwen3-tied-yarn"][1])
+    theirs = {n: t.to(torch.bfloat16 if "norm" in n else torch.float32)
+              for n, t in export_weights(qwen3.NAME_MAP, ours, tcfg).items()}
+    reads = []
+
+    class Counting(dict):
+        def __getitem__(self, name):
+            reads.append(name)
+            return dict.__getitem__(self, name)
+
+    weights = HFWeights(Counting(theirs), "test")
+    lazy = import_tensors(qwen3.NAME_MAP, weights, tcfg, shapes)
+    assert reads == [] and sorted(lazy) == sorted(shapes)
+    qkv = lazy["layers.1.attention.qkv.weight"]
+    assert (qkv.shape, qkv.dtype, lazy["layers.0.attention.q_norm.weight"].dtype) == (
+        tuple(shapes["layers.1.attention.qkv.weight"]), torch.float32, torch.bfloat16)
+    assert torch.equal(qkv.make(), ours["layers.1.attention.qkv.weight"])
+    assert sorted(reads) == [f"model.layers.1.self_attn.{x}_proj.weight" for x in "kqv"]
+    reads.clear()
+    made = {name: t.make() for name, t in lazy.items()}
+    assert all(torch.equal(made[n], t.to(made[n].dtype)) for n, t in ours.items())
+    assert sorted(reads) == sorted(n for n in theirs if n != "lm_head.weight")  # each once; the tied copy never

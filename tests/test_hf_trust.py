@@ -115,3 +115,88 @@ def test_index_file_names_inside_the_directory_load(hf_dir, tmp_path, capsys):
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     code, err = _convert(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'ckpt'}"], capsys)
     assert code == 0, err
+
+
+def _tokenizer(path) -> None:
+    """A word-level tokenizer.json with an end-of-document token: what an export copies along."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A checkpoint imported from the tiny GPT-2 with its tokenizer and chat template."""
+    from megatron_hydra.convert import api, hf_files
+
+    root = tmp_path_factory.mktemp("imported")
+    hf_files.write(str(root / "hf"), CONFIG, gpt2_tensors())
+    _tokenizer(root / "hf" / "tokenizer.json")
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    api.from_hf(str(root / "hf"), str(root / "ckpt"))
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_export_copies_no_file_from_outside_the_checkpoint(imported, tmp_path, capsys, name):
+    """A checkpoint is anyone's: its tokenizer file turned into a link to a file elsewhere (a
+    valid tokenizer, or any secret), left out of its checksums, is one line, and nothing is written."""
+    from megatron_hydra.checkpoint import store
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(imported, ckpt)
+    secret = tmp_path / "secret.json"
+    if name == "tokenizer.json":
+        _tokenizer(secret)
+    else:
+        secret.write_text('{"api_key": "do not export"}')
+    (ckpt / name).unlink()
+    (ckpt / name).symlink_to(secret)
+    meta = json.loads((ckpt / store.META).read_text())
+    del meta["checksums"][name]
+    (ckpt / store.META).write_text(json.dumps(meta))
+    err = _refused(["to_hf", f"input={ckpt}", f"output={tmp_path / 'out'}"], capsys)
+    assert f"{ckpt / name} is a link to {secret}, outside the checkpoint: refused" in err
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ckpt", "secret.json"]
+
+
+def test_export_of_an_import_copies_its_tokenizer_and_chat_template(imported, tmp_path, capsys):
+    code, err = _convert(["to_hf", f"input={imported}", f"output={tmp_path / 'out'}"], capsys)
+    assert code == 0, err
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (imported / name).read_bytes()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("model_type, extra", [
+    ("gemma2", {}), ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("qwen3_moe", {"decoder_sparse_step": 2}), ("gpt2", {}),
+])
+def test_a_config_claiming_10_8_layers_is_refused_at_once(hf_dir, tmp_path, capsys, model_type, extra):
+    """Families build per-layer lists (window and MoE flags) from the claimed layer count: a count
+    above the tensors the files hold is refused before any of them is built."""
+    key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
+    config = {**CONFIG, "model_type": model_type, "hidden_size": H, "intermediate_size": 4 * H,
+              "num_attention_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": POSITIONS,
+              key: 10**8, **extra}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    err = _refused(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'ckpt'}"], capsys)
+    assert f"config.json: {key}=100000000, but the weights beside it hold only {len(gpt2_tensors())} tensors" in err
+
+
+def test_a_mixed_dtype_import_says_so_in_its_meta(hf_dir, tmp_path, capsys):
+    """The files' dtypes are kept; a checkpoint whose tensors mix them records ``mixed``."""
+    from megatron_hydra.checkpoint import store
+    from megatron_hydra.convert import hf_files
+
+    tensors = gpt2_tensors()
+    tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"].half()
+    shutil.rmtree(hf_dir)
+    hf_files.write(str(hf_dir), CONFIG, tensors)
+    assert _convert(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'mixed'}"], capsys)[0] == 0
+    assert store.read_meta(str(tmp_path / "mixed"))["dtype"] == "mixed"
+    hf_files.write(str(tmp_path / "half"), CONFIG, {n: t.half() for n, t in tensors.items()})
+    assert _convert(["from_hf", f"input={tmp_path / 'half'}", f"output={tmp_path / 'one'}"], capsys)[0] == 0
+    assert store.read_meta(str(tmp_path / "one"))["dtype"] == "torch.float16"

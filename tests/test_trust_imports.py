@@ -82,8 +82,8 @@ def test_config_claiming_100000_layers_is_refused_before_building(hf_dir, tmp_pa
     start = time.monotonic()
     err = _refused(["from_hf", f"input={hf_dir}", f"output={tmp_path / 'ckpt'}"], capsys)
     assert time.monotonic() - start < 10
-    assert err == (f"error: input={hf_dir} has no tensor transformer.h.1.ln_1.weight, which its config.json "
-                   "implies: the weights and config.json do not belong together")
+    assert err == (f"error: {hf_dir / 'config.json'}: n_layer=100000, but the weights beside it hold only "
+                   f"{len(gpt2_tensors())} tensors: the weights and config.json do not belong together")
     assert not (tmp_path / "ckpt").exists()
 
 

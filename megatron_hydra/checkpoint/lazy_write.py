@@ -15,7 +15,6 @@ into the run's own; ``meta.json`` with the checksums; the marker last.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Tuple
 
@@ -91,7 +90,4 @@ def write(path: str, tensors: Mapping[str, LazyTensor], meta: dict) -> None:
         dcp.save(state, storage_writer=writer, planner=_Planner(), no_dist=True)
     except CheckpointException as e:
         raise dcp_failure(e) from None
-    sums = store.checksums(path, store.checkpoint_files(path))
-    store.write_meta(path, {**meta, "has_optimizer": False, "checksums": sums})
-    with open(os.path.join(path, store.MARKER), "w") as f:
-        f.write("ok\n")
+    store.seal(path, {**meta, "has_optimizer": False})

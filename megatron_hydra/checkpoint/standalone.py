@@ -174,7 +174,9 @@ def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, d
             f.write(content)
     dtypes = {str(t.dtype) for t in tensors.values()}
     meta = plan.meta(cfg, derived, 0, 0, saved_layout=layout)
-    meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else meta["dtype"]
+    # What the tensors are stored in (the run's params_dtype is whatever loads them): a file may mix
+    # dtypes (fp32 norms beside bf16 matrices), which DCP's metadata records per tensor.
+    meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"
     with _one_process():
         lazy_write.write(path, tensors, meta)
 

@@ -286,12 +286,25 @@ def write_meta(tmp: str, meta: dict) -> None:
         json.dump({"format_version": FORMAT_VERSION, **meta}, f, indent=1)
 
 
+def _mark(path: str) -> None:
+    with open(os.path.join(path, MARKER), "w") as f:
+        f.write("ok\n")
+
+
+def seal(path: str, meta: dict, sums: Optional[Dict[str, dict]] = None) -> None:
+    """Finish the checkpoint written into the directory ``path``: ``meta.json`` with ``sums``
+    (``checksums``; default: those of every file now in ``path``), then the marker, last, so
+    that a directory without it is never taken for a checkpoint."""
+    sums = checksums(path, checkpoint_files(path)) if sums is None else sums
+    write_meta(path, {**meta, "checksums": sums})
+    _mark(path)
+
+
 def commit(final: str) -> None:
     """Mark the fully written temporary directory complete and move it into place (rank 0, after
     every rank has finished writing)."""
     tmp = tmp_dir(final)
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        f.write("ok\n")
+    _mark(tmp)
     _move_into_place(tmp, final)
 
 

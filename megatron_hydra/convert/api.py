@@ -18,15 +18,16 @@ repository's ``blobs``. Vocabulary tables are stored unpadded, as every checkpoi
 each run pads them to its own TP multiple.
 
 The weights' names and shapes are checked against ``config.json`` from the files' headers before
-anything is built or read, so a config that claims 100000 layers is one line at once, not minutes
-of building.
+anything is built or read, and its layer and expert counts against the number of tensors the files
+hold before anything is built from them, so a config that claims 100000 layers is one line at
+once, not minutes of building.
 
-Both directions stream (``convert.stream``): one tensor at a time, never the whole model, each
-tensor in the dtype it has (an import keeps its files' dtype; an export writes the checkpoint's
+Both directions stream (``name_map.import_tensors``, ``export_plan``): one tensor at a time, never
+the whole model, each tensor in the dtype it has (an import keeps its files' dtype; an export writes the checkpoint's
 own unless ``dtype`` says otherwise). Export writes ``config.json`` plus safetensors that
 ``transformers``' ``from_pretrained`` reads, tied copies left out (as ``save_pretrained`` leaves
-them out). Either writes into a hidden sibling directory renamed to ``output`` at the end: a
-failed conversion leaves no partial output.
+them out). Either writes into a hidden sibling directory renamed to ``output`` at the end
+(``convert.staging``): a failed conversion leaves no partial output.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
-from megatron_hydra.convert import hf_files, name_map, stream
+from megatron_hydra.convert import hf_files, name_map, staging
 from megatron_hydra.convert.families import FAMILIES, family_for
-from megatron_hydra.convert.mapping import HFWeights
+from megatron_hydra.convert.mapping import HFConfig, HFWeights
 from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
 from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.parallel.state import ParallelState
@@ -96,35 +97,56 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
     name = name or _default_name(input)
     family = FAMILIES[kind]
+    files = hf_files.read_weights(input)
+    _check_counts(hf, files)
     composed = _composed(parallel, family.ARCH)
     cfg = RunConfig(model=family.model_config(hf, name), parallel=composed.parallel, run_dir="unused")
     if family.ARCH != "gpt":
         cfg.data = composed.data
     _check_layout(cfg)
-    extras = _model_files(input)
+    extras = _read(_tokenizer_paths(input, _link_roots(input), "model directory"))
     if TOKENIZER in extras:
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
     cfg, derived = standalone.single_process(cfg)
     cfg.parallel = composed.parallel  # recorded as the intended layout; loading ignores it
-    tensors = _import_tensors(family, input, cfg, derived)
+    tensors = _import_tensors(family, input, files, cfg, derived)
     layout = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
-    with stream.staged(output) as stage:
+    with staging.staged(output) as stage:
         standalone.save_tensors(stage, tensors, cfg, derived, layout, files=extras)
     return _fine_tune_command(cfg, output, parallel)
 
 
-def _import_tensors(family, input: str, cfg: RunConfig, derived) -> Dict[str, LazyTensor]:
-    """Our logical tensors of the directory ``input``, each read when the checkpoint writer
-    reaches it. The files' names and shapes are checked against the config first, from their
-    headers alone, with the model cut to its first layers; only then are the whole model's logical
-    tensors listed (from a model on the meta device), so a config.json that claims far more than
-    its files hold costs nothing."""
+# The config.json keys that count layers or experts, in every family (GPT-2: n_layer; T5:
+# num_layers, num_decoder_layers; Mixtral: num_local_experts; Qwen3-MoE: num_experts).
+COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "num_experts", "num_local_experts")
+
+
+def _check_counts(hf: HFConfig, files: hf_files.WeightFiles) -> None:
+    """Every layer and every expert holds at least one tensor, so a count in ``config.json`` above
+    the number of tensors the files hold is refused before anything is built from it: families
+    build per-layer lists (window and MoE flags) and derive per-layer tuples, all of a claimed
+    count's size, before the files' names are checked. Counts of the wrong type are left to the
+    family's typed reads."""
+    held = len(files.shapes)
+    for key in COUNT_KEYS:
+        count = hf.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count > held:
+            raise CheckpointError(f"{hf.path}: {key}={count}, but the weights beside it hold only {held} tensors: "
+                                  "the weights and config.json do not belong together")
+
+
+def _import_tensors(family, input: str, files: hf_files.WeightFiles, cfg: RunConfig,
+                    derived) -> Dict[str, LazyTensor]:
+    """Our logical tensors of the directory ``input`` (its weight ``files``), each read when the
+    checkpoint writer reaches it. The files' names and shapes are checked against the config
+    first, from their headers alone, with the model cut to its first layers; only then are the
+    whole model's logical tensors listed (from a model on the meta device), so a config.json that
+    claims far more than its files hold costs nothing."""
     tcfg = derived.transformer
-    files = hf_files.read_weights(input)
-    weights = HFWeights(files, input, files.shapes)
+    weights = HFWeights(files, input, files.shapes, files.dtypes)
     name_map.check_files(family.NAME_MAP, weights, tcfg, lambda: _first_layer(cfg))
     shapes = plan.logical_shapes(derived)
-    return stream.import_tensors(family.NAME_MAP, weights, tcfg, shapes, files.dtypes, files.file_of)
+    return name_map.import_tensors(family.NAME_MAP, weights, tcfg, shapes, files.file_of)
 
 
 def _first_layer(cfg: RunConfig):
@@ -154,33 +176,41 @@ def _link_roots(directory: str) -> List[str]:
     return roots
 
 
-def _model_file(directory: str, name: str, limit: int) -> Optional[bytes]:
-    """The content of the file ``name`` of the model directory, or None when there is none.
+def _confined(directory: str, name: str, roots: List[str], what: str) -> Optional[str]:
+    """The path of the file ``name`` of ``directory`` (the ``what``), or None when there is none; a
+    link must lead inside one of ``roots``.
 
-    A model directory comes from anyone, and what is copied from it lands in a checkpoint that may
-    be shared: so only a regular file is read, of bounded size, and a link must stay inside the
-    directory or, in a Hugging Face cache snapshot, lead to its repository's ``blobs``."""
+    A model directory or a checkpoint comes from anyone, and what is copied from it lands in a
+    checkpoint or model that may be shared: a link to a file elsewhere (a key, a password file)
+    would copy that file along."""
     path = os.path.join(directory, name)
     if not os.path.lexists(path):
         return None
     target = os.path.realpath(path)
-    if not any(_within(target, root) for root in _link_roots(directory)):
-        raise CheckpointError(f"{path} is a link to {target}, outside the model directory: refused (copy the "
-                              "file itself into the model directory)")
-    return untrusted.read_bytes(path, limit, name, CheckpointError)
+    if not any(_within(target, root) for root in roots):
+        raise CheckpointError(f"{path} is a link to {target}, outside the {what}: refused (copy the file itself "
+                              f"into the {what})")
+    return path
 
 
-def _model_files(directory: str) -> Dict[str, bytes]:
-    """The model's ``tokenizer.json`` and, beside it, its ``tokenizer_config.json`` (which holds the
-    chat template ``data=sft`` renders with), by name: what an import copies."""
+def _tokenizer_paths(directory: str, roots: List[str], what: str) -> Dict[str, str]:
+    """The ``tokenizer.json`` of ``directory`` and, beside it, its ``tokenizer_config.json`` (which
+    holds the chat template ``data=sft`` renders with), by name, where present: what a conversion
+    copies, each confined to ``roots`` (``_confined``)."""
     out = {}
-    tokenizer = _model_file(directory, TOKENIZER, TOKENIZER_BYTES)
+    tokenizer = _confined(directory, TOKENIZER, roots, what)
     if tokenizer is not None:
         out[TOKENIZER] = tokenizer
-        settings = _model_file(directory, TOKENIZER_CONFIG, TOKENIZER_CONFIG_BYTES)
+        settings = _confined(directory, TOKENIZER_CONFIG, roots, what)
         if settings is not None:
             out[TOKENIZER_CONFIG] = settings
     return out
+
+
+def _read(paths: Dict[str, str]) -> Dict[str, bytes]:
+    """The content of each of ``paths`` (``_tokenizer_paths``): a regular file of bounded size."""
+    limits = {TOKENIZER: TOKENIZER_BYTES, TOKENIZER_CONFIG: TOKENIZER_CONFIG_BYTES}
+    return {name: untrusted.read_bytes(path, limits[name], name, CheckpointError) for name, path in paths.items()}
 
 
 def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
@@ -224,6 +254,7 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None,
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
     cfg, derived = standalone.checked_config(input, archs=tuple(ARCHS))
+    own = _tokenizer_paths(input, [os.path.realpath(input)], "checkpoint")  # an import's; before anything is written
     tcfg = derived.transformer
     family = family_for(tcfg)
     sharded.verify(input, torch.device("cpu"))
@@ -231,15 +262,15 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None,
     shapes = plan.logical_shapes(derived)
     sources = standalone.tensor_sources(input, shapes, main=target == torch.float32)
     dtypes = {name: target or stored for name, (_, _, stored) in sources.items()}
-    steps, specs = stream.export_plan(family.NAME_MAP, tcfg, shapes, dtypes)
+    steps, specs = name_map.export_plan(family.NAME_MAP, tcfg, shapes, dtypes)
     config = {**family.hf_config(tcfg), **dict.fromkeys(("dtype", "torch_dtype"), _main_dtype(specs))}
     tokenizer = _tokenizer_source(input, cfg)
     if tokenizer is not None and family.ARCH == "gpt":  # a causal LM starts and ends at end-of-document
         config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
-    with stream.staged(output) as stage:
+    with staging.staged(output) as stage:
         hf_files.write_config(stage, config)
         files = [hf_files.CONFIG, *_write_weights(input, stage, steps, specs, sources, tcfg, max_shard_bytes)]
-        for name, content in _tokenizer_files(input, tokenizer).items():
+        for name, content in _tokenizer_files(own, tokenizer).items():
             with open(os.path.join(stage, name), "wb") as f:
                 f.write(content)
             files.append(name)
@@ -273,14 +304,12 @@ def _main_dtype(specs) -> str:
     return str(max(sizes, key=sizes.get)).replace("torch.", "")
 
 
-def _tokenizer_files(path: str, tokenizer) -> Dict[str, bytes]:
-    """What an export copies beside the weights: the tokenizer's ``tokenizer.json`` and, for an
-    imported model, the ``tokenizer_config.json`` (its chat template) the import brought along."""
+def _tokenizer_files(own: Dict[str, str], tokenizer) -> Dict[str, bytes]:
+    """What an export copies beside the weights: the checkpoint's ``own`` tokenizer files (an
+    import's ``tokenizer.json`` with its ``tokenizer_config.json``, the chat template), else the
+    ``tokenizer.json`` of the run's tokenizer (``data.tokenizer.path``)."""
     if tokenizer is None:
         return {}
-    out = {TOKENIZER: untrusted.read_bytes(tokenizer.path, TOKENIZER_BYTES, TOKENIZER, CheckpointError)}
-    settings = os.path.join(path, TOKENIZER_CONFIG)
-    if os.path.isfile(os.path.join(path, TOKENIZER)) and os.path.lexists(settings):  # its own: an import
-        out[TOKENIZER_CONFIG] = untrusted.read_bytes(settings, TOKENIZER_CONFIG_BYTES, TOKENIZER_CONFIG,
-                                                     CheckpointError)
-    return out
+    if TOKENIZER in own:
+        return _read(own)
+    return {TOKENIZER: untrusted.read_bytes(tokenizer.path, TOKENIZER_BYTES, TOKENIZER, CheckpointError)}

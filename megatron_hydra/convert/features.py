@@ -1,9 +1,10 @@
 """The architecture keys of today's open models (``config.architecture``), as an export sees them.
 
-Each Hugging Face family module lists in ``FEATURES`` the keys its architecture expresses; a model
-that uses any other one has no counterpart in that family. Keeping the keys in one table means a
-key added later is refused by every family that does not name it, rather than exported silently
-as a model that computes something else.
+Each Hugging Face family module lists in ``EXPRESSES`` the keys its architecture expresses; a
+model that uses any other one has no counterpart in that family (``families.why_not`` checks it
+for every family). Keeping the keys in one table means a key added later is refused by every
+family that does not name it, rather than exported silently as a model that computes something
+else.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable, Dict, Iterable
 from megatron_hydra.config.transformer_config import TransformerConfig
 
 # model.<key> -> whether the model uses it (its TransformerConfig, resolved).
-FEATURES: Dict[str, Callable[[TransformerConfig], bool]] = {
+USES: Dict[str, Callable[[TransformerConfig], bool]] = {
     "rope_scaling": lambda c: c.rope_scaling is not None,
     "local_rope_theta": lambda c: c.local_rope_theta is not None,
     "qkv_bias": lambda c: c.qkv_bias != c.add_bias_linear,  # a bias on QKV alone (or QKV alone without one)
@@ -32,7 +33,7 @@ FEATURES: Dict[str, Callable[[TransformerConfig], bool]] = {
 
 def lacks(cfg: TransformerConfig, family: str, has: Iterable[str] = ()) -> str:
     """'' when ``cfg`` uses no key outside ``has``, else why ``family`` cannot express it."""
-    extra = [key for key, used in FEATURES.items() if key not in has and used(cfg)]
+    extra = [key for key, used in USES.items() if key not in has and used(cfg)]
     return f"{family} has no model.{' or model.'.join(extra)}" if extra else ""
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
-from megatron_hydra.convert import features, layer_types, llama
+from megatron_hydra.convert import layer_types, llama
 from megatron_hydra.convert.llama import LAYERS, L, M
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap, Rule
 
 MODEL_TYPE, ARCH = "gemma2", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+EXPRESSES = ("rope_scaling", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
             "final_logit_softcapping", "zero_centered_gamma", "post_sublayer_norm", "scale_embeddings")
 ACTIVATION = "gelu_pytorch_tanh"
 # Embeddings, head and the attention are Llama's; the norms are Gemma's four per layer.
@@ -37,9 +37,15 @@ BLOCK_RULES = (
 NAME_MAP = NameMap(MODEL_TYPE, rules=(*BLOCK_RULES, *llama.MLP_RULES), ignored=llama.IGNORED)
 
 
-def _given(hf: HFConfig, key: str, default, kind: type = float):
-    """``hf[key]`` (a value, or null: off) when the file has the key, else the family's default."""
-    return hf.value(key, kind, None) if key in hf else default
+def _given(hf: HFConfig, key: str, default):
+    """``hf[key]`` (a positive number, or null: off) when the file has the key, else the family's
+    default: a zero would divide the scores (c tanh(s / c)), a negative one flip them."""
+    if key not in hf:
+        return default
+    value = hf.value(key, float, None)
+    if value is not None and not value > 0:
+        raise hf.unsupported(key, value, "a positive number (or null: off) is")
+    return value
 
 
 def gemma_config(hf: HFConfig, name: str, rope_theta: float, attn_cap, final_cap, pattern: int) -> ModelConfig:
@@ -53,13 +59,13 @@ def gemma_config(hf: HFConfig, name: str, rope_theta: float, attn_cap, final_cap
         raise hf.unsupported("use_bidirectional_attention", True, "only causal attention (false) is")
     cfg = llama.base_config(hf, name, rope_theta=rope_theta, tie=True)
     cfg.activation, cfg.zero_centered_gamma, cfg.post_sublayer_norm, cfg.scale_embeddings = "geglu", True, True, True
-    cfg.query_pre_attn_scalar = hf.value("query_pre_attn_scalar", float, 256.0)
+    cfg.query_pre_attn_scalar = _given(hf, "query_pre_attn_scalar", 256.0) or 256.0
     cfg.attn_logit_softcapping = _given(hf, "attn_logit_softcapping", attn_cap)
     cfg.final_logit_softcapping = _given(hf, "final_logit_softcapping", final_cap)
     flags = layer_types.read(hf, cfg.num_layers)
     if flags is None:
         flags = [bool((i + 1) % pattern) for i in range(cfg.num_layers)]
-    window = _given(hf, "sliding_window", 4096, int)
+    window = hf.count("sliding_window", None) if "sliding_window" in hf else 4096
     if window is not None and any(flags):
         cfg.sliding_window, cfg.sliding_window_pattern = window, layer_types.pattern(flags, pattern)
     return cfg
@@ -69,11 +75,12 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
     return gemma_config(hf, name, 10000.0, attn_cap=50.0, final_cap=30.0, pattern=2)
 
 
-def gemma(cfg: TransformerConfig, family: str, has) -> str:
-    """Why ``cfg`` is not a Gemma of ``family`` (using no architecture key outside ``has``), or ''."""
+def gemma(cfg: TransformerConfig, family: str) -> str:
+    """Why ``cfg`` is not a Gemma of ``family``, or '' (the architecture keys it uses are checked
+    for every family alike: ``families.why_not``)."""
     if cfg.position_embedding != "rope" or cfg.normalization != "rmsnorm" or cfg.activation != "geglu":
         return f"{family} needs rope, rmsnorm and geglu"
-    why = features.lacks(cfg, family, has) or llama.no_biases(cfg, family)
+    why = llama.no_biases(cfg, family)
     if why:
         return why
     if not (cfg.zero_centered_gamma and cfg.post_sublayer_norm and cfg.scale_embeddings):
@@ -84,7 +91,7 @@ def gemma(cfg: TransformerConfig, family: str, has) -> str:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Gemma 2 counterpart, or '' when it has one."""
-    return gemma(cfg, "Gemma 2", FEATURES)
+    return gemma(cfg, "Gemma 2")
 
 
 def query_pre_attn_scalar(cfg: TransformerConfig):

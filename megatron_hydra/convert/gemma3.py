@@ -20,7 +20,7 @@ from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap
 
 MODEL_TYPE, ARCH = "gemma3_text", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = (*gemma2.FEATURES, "qk_norm", "local_rope_theta")
+EXPRESSES = (*gemma2.EXPRESSES, "qk_norm", "local_rope_theta")
 NAME_MAP = NameMap(MODEL_TYPE, rules=(*gemma2.BLOCK_RULES, *qwen3.QK_NORM_RULES, *llama.MLP_RULES),
                    ignored=llama.IGNORED)
 GLOBAL_THETA, LOCAL_THETA = 1e6, 1e4
@@ -28,15 +28,15 @@ GLOBAL_THETA, LOCAL_THETA = 1e6, 1e4
 
 def _ropes(hf: HFConfig):
     """((theta, scaling) of the global layers, (theta, scaling) of the windowed ones)."""
-    positions = hf.value("max_position_embeddings", int, 131072)
-    params = hf.value("rope_parameters", dict, None) or {}
+    positions = hf.count("max_position_embeddings", 131072)
+    params = hf.part("rope_parameters")
     if params and not ({FULL, SLIDING} & set(params)):
-        raise hf.unsupported("rope_parameters", params, f"one object per layer type ({FULL}, {SLIDING}) is")
-    full = dict(params.get(FULL) or {}, **(hf.value("rope_scaling", dict, None) or {}))
-    glob = rope_parameters.read(HFConfig(full, hf.path), f"rope_parameters.{FULL}." if params else "rope_scaling.",
-                                hf.value("rope_theta", float, GLOBAL_THETA), positions)
-    local = rope_parameters.read(HFConfig(params.get(SLIDING) or {}, hf.path), f"rope_parameters.{SLIDING}.",
-                                 hf.value("rope_local_base_freq", float, LOCAL_THETA), positions)
+        raise hf.unsupported("rope_parameters", dict(params), f"one object per layer type ({FULL}, {SLIDING}) is")
+    full = params.part(FULL) if params else hf.part("rope_scaling")
+    full.update(hf.value("rope_scaling", dict, None) or {})  # the older layout's wins, as in transformers
+    glob = rope_parameters.read(full, rope_parameters.base(hf, "rope_theta", GLOBAL_THETA), positions)
+    local = rope_parameters.read(params.part(SLIDING), rope_parameters.base(hf, "rope_local_base_freq", LOCAL_THETA),
+                                 positions)
     return glob, local
 
 
@@ -58,7 +58,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Gemma 3 counterpart, or '' when it has one."""
-    why = gemma2.gemma(cfg, "Gemma 3", FEATURES)
+    why = gemma2.gemma(cfg, "Gemma 3")
     return why or ("" if cfg.qk_norm else "Gemma 3 normalises q and k (model.qk_norm=true)")
 
 

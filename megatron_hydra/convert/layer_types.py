@@ -31,10 +31,15 @@ def read(hf: HFConfig, num_layers: int) -> Optional[List[bool]]:
 
 def pattern(windowed: Sequence[bool], declared: Optional[int] = None) -> Union[int, List[int]]:
     """``model.sliding_window_pattern`` for these per-layer flags: ``declared`` (the file's own
-    sliding_window_pattern) or else the smallest int n that yields them, else the 0/1 list."""
+    sliding_window_pattern) or else the smallest int n that yields them, else the 0/1 list.
+
+    Only one n can be the smallest: n windows every layer but the n-th, 2n-th, ..., so its first
+    full layer is layer n - 1, and with none full n = 1 is the smallest. Each candidate costs one
+    pass over the layers: a ``layer_types`` list of a million entries is read at once."""
     flags = [int(w) for w in windowed]
     wanted = tuple(i for i, f in enumerate(flags) if f)
-    for n in ([declared] if declared else []) + list(range(1, len(flags) + 1)):
+    smallest = flags.index(0) + 1 if 0 in flags else 1
+    for n in ([declared] if declared else []) + [smallest]:
         if n >= 1 and window_layers(n, len(flags)) == wanted:
             return n
     return flags

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
-from megatron_hydra.convert import features, rope_parameters
+from megatron_hydra.convert import rope_parameters
 from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import QKV, NameMap, Rule, biased, tied, untied, weight_and_bias
 
 MODEL_TYPE, ARCH = "llama", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling",)  # the architecture keys (convert.features) a Llama expresses
+EXPRESSES = ("rope_scaling",)  # the architecture keys (convert.features) a Llama expresses
 # Rotary tables are built per layer for seq_length positions; a model that allows 128k positions
 # trains at a shorter length, which the user raises with model.seq_length.
 MAX_DEFAULT_SEQ_LENGTH = 4096
@@ -87,16 +87,15 @@ def base_config(hf: HFConfig, name: str, rope_theta: float = 10000.0, norm_eps: 
                 tie: bool = False) -> ModelConfig:
     """The model config every Llama-shaped ``config.json`` states alike (no biases; ``rope_theta``,
     ``norm_eps`` and ``tie``: the family's defaults where the file has no value)."""
-    heads, hidden = hf.value("num_attention_heads", int), hf.value("hidden_size", int)
-    positions = hf.value("max_position_embeddings", int, 2048)
+    heads, hidden = hf.count("num_attention_heads"), hf.count("hidden_size")
+    positions = hf.count("max_position_embeddings", 2048)
     theta, scaling = rope_parameters.rope_of(hf, rope_theta)
     return ModelConfig(
-        name=name, num_layers=hf.value("num_hidden_layers", int), hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=hf.value("num_key_value_heads", int, heads),
-        ffn_hidden_size=hf.value("intermediate_size", int),
-        kv_channels=hf.value("head_dim", int, hidden // max(heads, 1)),
+        name=name, num_layers=hf.count("num_hidden_layers"), hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=hf.count("num_key_value_heads", heads), ffn_hidden_size=hf.count("intermediate_size"),
+        kv_channels=hf.count("head_dim", max(hidden // heads, 1)),
         seq_length=min(positions, MAX_DEFAULT_SEQ_LENGTH),
-        max_position_embeddings=positions, vocab_size=hf.value("vocab_size", int), position_embedding="rope",
+        max_position_embeddings=positions, vocab_size=hf.count("vocab_size"), position_embedding="rope",
         rope_theta=theta, rope_scaling=scaling, normalization="rmsnorm",
         norm_eps=hf.value("rms_norm_eps", float, norm_eps),
         activation="swiglu", add_bias_linear=False, tie_embeddings=hf.value("tie_word_embeddings", bool, tie),
@@ -118,12 +117,12 @@ def model_config(hf: HFConfig, name: str, rope_theta: float = 10000.0, norm_eps:
     return cfg
 
 
-def plain(cfg: TransformerConfig, family: str, has=FEATURES) -> str:
-    """Why ``cfg`` is not a Llama-shaped model of ``family`` (RoPE, RMSNorm, SwiGLU, using no
-    architecture key outside ``has``), or ''."""
+def plain(cfg: TransformerConfig, family: str) -> str:
+    """Why ``cfg`` is not a Llama-shaped model of ``family`` (RoPE, RMSNorm, SwiGLU), or ''. The
+    architecture keys it uses are checked for every family alike (``families.why_not``)."""
     if cfg.position_embedding != "rope" or cfg.normalization != "rmsnorm" or cfg.activation != "swiglu":
         return f"{family} needs rope, rmsnorm and swiglu"
-    return features.lacks(cfg, family, has)
+    return ""
 
 
 def compatible(cfg: TransformerConfig) -> str:

@@ -62,49 +62,73 @@ class HFConfig(dict):
     """A ``config.json`` whose values are checked where they are read: a missing key, a value of
     the wrong type, or a number that is not finite (JSON's ``NaN`` and ``Infinity``, which Python's
     parser accepts) is one ``CheckpointError`` naming the file and the key, not a ``KeyError``, a
-    ``TypeError`` deep in model building, or a model that trains on NaN."""
+    ``TypeError`` deep in model building, or a model that trains on NaN. An object inside the file
+    (``part``) names its keys by their place in it (``rope_parameters.full_attention.factor``)."""
 
-    def __init__(self, values: dict, path: str):
+    def __init__(self, values: dict, path: str, where: str = ""):
         super().__init__(values)
-        self.path = path
+        self.path, self.where, self.model_type = path, where, values.get("model_type")
+
+    def part(self, key: str, where: Optional[str] = None) -> "HFConfig":
+        """The object at ``key`` (an empty one when absent or null), checked like the file; its
+        keys named ``where`` + name in messages (default: ``key.`` + name)."""
+        part = HFConfig(self.value(key, dict, {}), self.path, f"{self.where}{key}." if where is None else where)
+        part.model_type = self.model_type
+        return part
+
+    def count(self, key: str, default=_REQUIRED, least: int = 1) -> int:
+        """``self.value(key, int, default)``, at least ``least``: a count or size of the model
+        (layers, heads, positions), which a zero or a negative number would turn into a division
+        by zero or an empty model further on."""
+        v = self.value(key, int, default)
+        if v is not None and v < least:
+            raise self.unsupported(key, v, f"an integer >= {least} is")
+        return v
 
     def value(self, key: str, kind: type, default=_REQUIRED):
         """``self[key]`` if it is a ``kind``; ``default`` when it is absent or null (as Hugging Face
         writes an unset optional value), and an error when there is no default."""
-        v = self.get(key)
+        v, name = self.get(key), self.where + key
         if v is None:
             if default is _REQUIRED:
-                raise CheckpointError(f"{self.path} has no {key!r}, which a {self.get('model_type')} config needs: "
-                                      "the file is incomplete; copy it again")
+                raise CheckpointError(f"{self.path} has no {name!r}, which a {self.model_type} config needs: the "
+                                      "file is incomplete; copy it again")
             return default
         if kind is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)  # an integer written where a number is meant (1e6 as 1000000)
         if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
-            raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} should be {_KINDS[kind]}: fix the value "
-                                  "or copy the file again")
+            raise CheckpointError(f"{self.path}: {name}={_cut(json.dumps(v))} should be {_KINDS[kind]}: fix the "
+                                  "value or copy the file again")
         if kind is float and not math.isfinite(v):  # JSON's NaN / Infinity, or 1e999
-            raise CheckpointError(f"{self.path}: {key}={json.dumps(v)} is not a finite number: fix the value or "
-                                  "copy the file again")
+            raise CheckpointError(f"{self.path}: {name}={_cut(json.dumps(v))} is not a finite number: fix the "
+                                  "value or copy the file again")
         return v
 
     def unsupported(self, key: str, value, supported: str) -> ConfigError:
         """The one line for a value of this file that no model of ours computes: the file, the key,
         the value, and what is supported."""
-        shown = repr(value) if isinstance(value, str) else json.dumps(value)
-        shown = shown if len(shown) <= 200 else shown[:200] + "..."  # a file is anyone's: keep the line short
-        return ConfigError(f"{self.path}: {key}={shown} is not supported: {supported}")
+        shown = _cut(repr(value) if isinstance(value, str) else json.dumps(value))
+        return ConfigError(f"{self.path}: {self.where}{key}={shown} is not supported: {supported}")
+
+
+def _cut(shown: str) -> str:
+    """A value of a file as one line shows it: cut short, since a file is anyone's and its values
+    may be megabytes long."""
+    return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
 class HFWeights:
     """A Hugging Face state dict that hands out each tensor once, after checking its shape, so a
     config.json that does not match its weights fails in one line naming the tensor. ``shapes``
-    (every tensor's shape, by name) lets ``check`` run before any tensor is read: ``tensors`` may
-    read lazily (``hf_files.WeightFiles``)."""
+    and ``dtypes`` (every tensor's, by name) let ``check`` and the import's plan run before any
+    tensor is read: ``tensors`` may read lazily (``hf_files.WeightFiles``, which has both)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], source: str,
-                 shapes: Optional[Mapping[str, Sequence[int]]] = None):
+                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
+                 dtypes: Optional[Mapping[str, torch.dtype]] = None):
         self.tensors, self.source, self.used = tensors, source, set()
         self.shapes = shapes if shapes is not None else {n: list(t.shape) for n, t in tensors.items()}
+        self.dtypes = dtypes if dtypes is not None else {n: t.dtype for n, t in tensors.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes

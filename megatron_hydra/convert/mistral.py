@@ -13,20 +13,20 @@ from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap
 
 MODEL_TYPE, ARCH = "mistral", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling", "sliding_window")
+EXPRESSES = ("rope_scaling", "sliding_window")
 NAME_MAP = NameMap(MODEL_TYPE, rules=(*llama.BLOCK_RULES, *llama.MLP_RULES), ignored=llama.IGNORED)
 
 
 def model_config(hf: HFConfig, name: str) -> ModelConfig:
     llama.check_activation(hf, "hidden_act", "silu", "silu")
     cfg = llama.base_config(hf, name)
-    cfg.sliding_window = hf.value("sliding_window", int, None)
+    cfg.sliding_window = hf.count("sliding_window", None)
     return cfg
 
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Mistral counterpart, or '' when it has one."""
-    why = llama.plain(cfg, "Mistral", FEATURES) or llama.no_biases(cfg, "Mistral")
+    why = llama.plain(cfg, "Mistral") or llama.no_biases(cfg, "Mistral")
     if why:
         return why
     if cfg.window_layers and not features.windowed_everywhere(cfg):

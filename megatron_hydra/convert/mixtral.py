@@ -24,7 +24,7 @@ from megatron_hydra.convert.name_map import NameMap, Rule
 from megatron_hydra.errors import ConfigError
 
 MODEL_TYPE, ARCH = "mixtral", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = (*llama.FEATURES, "moe")
+EXPRESSES = (*llama.EXPRESSES, "moe")
 E, X = L + "mlp.experts.{e}.", M + "block_sparse_moe.experts.{e}."
 NAME_MAP = NameMap(
     MODEL_TYPE,
@@ -46,7 +46,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
                           "converts")
     llama.check_activation(hf, "hidden_act", "silu", "silu")
     cfg = llama.base_config(hf, name, rope_theta=1e6, norm_eps=1e-5)
-    moe = MoEConfig(num_experts=hf.value("num_local_experts", int, 8), top_k=hf.value("num_experts_per_tok", int, 2),
+    moe = MoEConfig(num_experts=hf.count("num_local_experts", 8), top_k=hf.count("num_experts_per_tok", 2),
                     ffn_hidden_size=cfg.ffn_hidden_size, layer_freq=1, router="softmax", norm_topk=True,
                     aux_loss_coeff=hf.value("router_aux_loss_coef", float, 0.001))
     return dataclasses.replace(cfg, moe=moe)
@@ -54,7 +54,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Mixtral counterpart, or '' when it has one."""
-    why = llama.plain(cfg, "Mixtral", FEATURES)
+    why = llama.plain(cfg, "Mixtral")
     if why:
         return why
     moe = cfg.moe

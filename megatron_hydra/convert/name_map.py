@@ -4,9 +4,17 @@ A family (``convert/gpt2.py``, ``llama.py``, ``bert.py``, ``t5.py``) lists rules
 tensor name, the Hugging Face name(s), and the ``Transform`` between them when it is not the
 identity. ``{i}`` in a name is a layer index, over ``range(getattr(cfg, rule.per))``, and ``{e}``
 an expert index, over ``range(cfg.moe.num_experts)``; ``rule.when(cfg)`` says whether the tensor
-exists in this variant (biases, a gated MLP, an untied head, ...). The same table drives
-``import_weights`` and ``export_weights``, and every transform is a pair of exact inverses, so
-the two directions cannot drift apart.
+exists in this variant (biases, a gated MLP, an untied head, ...). The same table drives both
+directions, and every transform is a pair of exact inverses, so they cannot drift apart.
+
+Each direction is one walk that reads no tensor, since a whole-model conversion would need the
+model in memory twice over (an 8B model in bf16 is 16 GB; people convert on 24 GiB or less):
+``import_tensors`` gives each of our logical tensors as a ``LazyTensor`` (its shape and dtype from
+the files' headers through its transform on the meta device) that reads its sources (a fused
+QKV: q, k and v of one layer) only when a checkpoint writer reaches it; ``export_plan`` lists
+what each of our tensors becomes, so that an export reads them a few at a time into planned
+shards. Every name, shape and count is checked before the first tensor is read.
+``import_weights`` / ``export_weights`` are the same walks made eager, for small models.
 
 The Hugging Face shapes that an import checks are written nowhere: they are our model's logical
 shapes sent through the export direction on the meta device, so a ``config.json`` that does not
@@ -20,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.config.schema import ModelConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert.mapping import HFWeights, fuse_kv, fuse_qkv, split_kv, split_qkv
@@ -127,12 +136,14 @@ class NameMap:
     optional_prefix: str = ""
 
 
-def _their_shapes(rule: Rule, ours: str, shapes: Dict[str, List[int]], cfg: TransformerConfig) -> List[List[int]]:
+def their_shapes(rule: Rule, ours: str, shapes: Mapping[str, List[int]], cfg: TransformerConfig) -> List[List[int]]:
+    """The Hugging Face shapes of our tensor ``ours``: its shape sent through the export direction
+    on the meta device."""
     meta = torch.empty(shapes[ours], device="meta")
     return [list(t.shape) for t in rule.transform.to_theirs(meta, cfg)]
 
 
-def _their_name(name_map: NameMap, weights: HFWeights) -> Callable[[str], str]:
+def their_name(name_map: NameMap, weights: HFWeights) -> Callable[[str], str]:
     """A name of the table as the files spell it: without ``optional_prefix`` in a bare model's."""
     prefix = name_map.optional_prefix
     bare = bool(prefix) and not any(n.startswith(prefix) for n in weights.shapes)
@@ -172,7 +183,7 @@ def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
     that hold two fails at the third, before anything of that size is built. The shapes then come
     from ``first_layer()``: the same model cut to its first layers (``first_layers``) and its
     logical shapes, since every layer of one kind has the same shapes."""
-    hf = _their_name(name_map, weights)
+    hf = their_name(name_map, weights)
     for rule in name_map.rules:
         for _, _, theirs in rule.indexed(cfg):
             for name in theirs:
@@ -185,7 +196,7 @@ def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
             if (number, mine) not in expected:
                 if mine not in first_shapes:
                     raise CheckpointError(f"input={weights.source}: converted tensor {mine} has no place in the model")
-                expected[number, mine] = _their_shapes(rule, mine, first_shapes, first)
+                expected[number, mine] = their_shapes(rule, mine, first_shapes, first)
             for name, shape in zip(theirs, expected[number, mine]):
                 if not rule.tied or hf(name) in weights:
                     weights.check(hf(name), shape)
@@ -196,25 +207,32 @@ def check_files(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
                               "model of this config; this variant is not supported")
 
 
-def import_weights(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
-                   shapes: Dict[str, List[int]]) -> Dict[str, torch.Tensor]:
-    """Our logical tensors (vocabulary unpadded) from a Hugging Face state dict, for the model
-    whose logical tensors are ``shapes``. Every tensor of the model must come from the table, and
-    every tensor of the files must go into it (``name_map.ignored`` aside)."""
-    source, hf = weights.source, _their_name(name_map, weights)
-    out: Dict[str, torch.Tensor] = {}
+def import_tensors(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig, shapes: Mapping[str, List[int]],
+                   order: Optional[Callable[[str], int]] = None) -> Dict[str, LazyTensor]:
+    """Our logical tensors (the model's ``shapes``, vocabulary unpadded) as ``LazyTensor``s that
+    read the Hugging Face tensors ``weights`` when made, each in the dtype its transform gives the
+    files' own. Every tensor of the model must come from the table and every tensor of the files
+    go into it (``name_map.ignored`` aside); a tied copy is checked, then left. All of this is
+    checked before anything is read. With ``order(hf_name)`` (the file a tensor is in) the tensors
+    are ordered by their sources, so that a writer reads each file once, in turn."""
+    source, hf = weights.source, their_name(name_map, weights)
+    out: Dict[str, Tuple[tuple, LazyTensor]] = {}
     for rule in name_map.rules:
         for ours, theirs in rule.instances(cfg):
             if ours not in shapes:
                 raise CheckpointError(f"input={source}: converted tensor {ours} has no place in the model")
-            expected = _their_shapes(rule, ours, shapes, cfg)
+            names = [hf(name) for name in theirs]
+            expected = their_shapes(rule, ours, shapes, cfg)
+            present = [(n, s) for n, s in zip(names, expected) if not rule.tied or n in weights]
+            for name, shape in present:
+                weights.check(name, shape)
+                weights.used.add(name)
             if rule.tied:
-                for name, shape in zip(theirs, expected):
-                    if hf(name) in weights:
-                        weights.take(hf(name), shape)  # the tied copy some files carry
                 continue
-            tensors = [weights.take(hf(name), shape) for name, shape in zip(theirs, expected)]
-            out[ours] = rule.transform.to_ours(*tensors, cfg)
+            made = rule.transform.to_ours(*(torch.empty(s, dtype=weights.dtypes[n], device="meta")
+                                            for n, s in present), cfg)
+            key = tuple(sorted(order(n) for n in names)) if order is not None else ()
+            out[ours] = key, LazyTensor(tuple(shapes[ours]), made.dtype, _reader(rule, present, weights, cfg))
     missing = [name for name in shapes if name not in out]
     if missing:
         raise CheckpointError(f"input={source}: nothing maps to our tensor {missing[0]}; this variant of the "
@@ -223,26 +241,56 @@ def import_weights(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig
     if leftover:
         raise CheckpointError(f"input={source}: tensor {leftover[0]} has no place in a {name_map.family} model of "
                               "this config; this variant is not supported")
-    return out
+    ranked = sorted(out.items(), key=lambda item: item[1][0])  # stable: the table's order within a file
+    return {name: lazy for name, (_, lazy) in ranked}
 
 
-def export_weights(name_map: NameMap, state: Dict[str, torch.Tensor], cfg: TransformerConfig,
-                   with_tied: bool = True) -> Dict[str, torch.Tensor]:
-    """A Hugging Face state dict from our logical tensors (vocabulary unpadded). ``with_tied``:
-    include the tied copies, as the model's ``state_dict()`` does; files leave them out."""
-    out: Dict[str, torch.Tensor] = {}
-    used = set()
+def _reader(rule: Rule, sources: List[Tuple[str, List[int]]], weights: HFWeights, cfg: TransformerConfig):
+    def make() -> torch.Tensor:
+        return rule.transform.to_ours(*(weights.take(name, shape) for name, shape in sources), cfg)
+    return make
+
+
+def import_weights(name_map: NameMap, weights: HFWeights, cfg: TransformerConfig,
+                   shapes: Mapping[str, List[int]]) -> Dict[str, torch.Tensor]:
+    """``import_tensors``, every tensor made at once: for a model small enough to hold twice."""
+    return {name: lazy.make() for name, lazy in import_tensors(name_map, weights, cfg, shapes).items()}
+
+
+Step = Tuple[str, Rule, Tuple[str, ...]]
+
+
+def export_plan(name_map: NameMap, cfg: TransformerConfig, shapes: Mapping[str, List[int]],
+                dtypes: Mapping[str, torch.dtype], with_tied: bool = False) -> Tuple[List[Step], list]:
+    """What an export writes, before any tensor is read: (our name, rule, their names) for each of
+    our logical tensors that goes into the files, in the table's order, and (their name, shape,
+    dtype) for each Hugging Face tensor, ``dtypes[ours]`` being the dtype it is written in. Tied
+    copies are left out unless ``with_tied``, as ``save_pretrained`` leaves them out of files."""
+    steps, specs, used = [], [], set()
     for rule in name_map.rules:
         for ours, theirs in rule.instances(cfg):
             used.add(ours)
-            if ours not in state:
+            if ours not in shapes:
                 raise ConfigError(f"this model has no tensor {ours}, which a Hugging Face {name_map.family} model "
                                   "needs: this variant cannot be exported")
             if rule.tied and not with_tied:
                 continue
-            out.update(zip(theirs, rule.transform.to_theirs(state[ours], cfg)))
-    extra = sorted(set(state) - used)
+            steps.append((ours, rule, theirs))
+            specs += [(name, shape, dtypes[ours]) for name, shape in zip(theirs, their_shapes(rule, ours, shapes, cfg))]
+    extra = sorted(set(shapes) - used)
     if extra:
         raise ConfigError(f"our tensor {extra[0]} has no place in a Hugging Face {name_map.family} model: "
                           "this variant cannot be exported")
+    return steps, specs
+
+
+def export_weights(name_map: NameMap, state: Mapping[str, torch.Tensor], cfg: TransformerConfig,
+                   with_tied: bool = True) -> Dict[str, torch.Tensor]:
+    """A Hugging Face state dict from our logical tensors (vocabulary unpadded), by ``export_plan``.
+    ``with_tied``: include the tied copies, as the model's ``state_dict()`` does; files leave them out."""
+    shapes = {name: list(t.shape) for name, t in state.items()}
+    steps, _ = export_plan(name_map, cfg, shapes, {name: t.dtype for name, t in state.items()}, with_tied)
+    out: Dict[str, torch.Tensor] = {}
+    for ours, rule, theirs in steps:
+        out.update(zip(theirs, rule.transform.to_theirs(state[ours], cfg)))
     return out

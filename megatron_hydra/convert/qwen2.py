@@ -18,14 +18,14 @@ from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap
 
 MODEL_TYPE, ARCH = "qwen2", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling", "qkv_bias", "sliding_window")
+EXPRESSES = ("rope_scaling", "qkv_bias", "sliding_window")
 NAME_MAP = NameMap(MODEL_TYPE, rules=(*llama.BLOCK_RULES, *llama.MLP_RULES), ignored=llama.IGNORED)
 
 
 def window(hf: HFConfig, cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with Qwen's sliding window: ``sliding_window`` tokens where ``use_sliding_window``,
     on the layers ``layer_types`` marks (else those from ``max_window_layers`` on)."""
-    size: Optional[int] = hf.value("sliding_window", int, None) if hf.value("use_sliding_window", bool, False) else None
+    size: Optional[int] = hf.count("sliding_window", None) if hf.value("use_sliding_window", bool, False) else None
     flags = layer_types.read(hf, cfg.num_layers)
     if flags is None:
         start = hf.value("max_window_layers", int, cfg.num_layers)
@@ -44,7 +44,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Qwen2 counterpart, or '' when it has one."""
-    why = llama.plain(cfg, "Qwen2", FEATURES)
+    why = llama.plain(cfg, "Qwen2")
     if why:
         return why
     if not cfg.qkv_bias or cfg.add_bias_linear:

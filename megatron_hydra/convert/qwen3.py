@@ -17,7 +17,7 @@ from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap, Rule
 
 MODEL_TYPE, ARCH = "qwen3", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling", "qk_norm", "sliding_window")
+EXPRESSES = ("rope_scaling", "qk_norm", "sliding_window")
 QK_NORM_RULES = tuple(Rule(f"{L}attention.{x}_norm.weight", f"{M}self_attn.{x}_norm.weight", per=LAYERS) for x in "qk")
 NAME_MAP = NameMap(MODEL_TYPE, rules=(*llama.BLOCK_RULES, *QK_NORM_RULES, *llama.MLP_RULES), ignored=llama.IGNORED)
 
@@ -32,7 +32,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Qwen3 counterpart, or '' when it has one."""
-    why = llama.plain(cfg, "Qwen3", FEATURES) or llama.no_biases(cfg, "Qwen3")
+    why = llama.plain(cfg, "Qwen3") or llama.no_biases(cfg, "Qwen3")
     return why or ("" if cfg.qk_norm else "Qwen3 normalises q and k (model.qk_norm=true)")
 
 

@@ -24,7 +24,7 @@ from megatron_hydra.convert.mapping import HFConfig
 from megatron_hydra.convert.name_map import NameMap, Rule
 
 MODEL_TYPE, ARCH = "qwen3_moe", "gpt"  # Hugging Face's model_type; our model.arch
-FEATURES = ("rope_scaling", "qk_norm", "sliding_window", "moe")
+EXPRESSES = ("rope_scaling", "qk_norm", "sliding_window", "moe")
 
 
 def moe_layer(cfg: TransformerConfig, layer: int) -> bool:
@@ -58,7 +58,10 @@ def _layer_freq(hf: HFConfig, num_layers: int):
     step = hf.value("decoder_sparse_step", int, 1)
     if step < 1:
         raise hf.unsupported("decoder_sparse_step", step, "a positive integer is")
-    dense = set(hf.value("mlp_only_layers", list, []))
+    dense = hf.value("mlp_only_layers", list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise hf.unsupported("mlp_only_layers", dense, "a list of layer numbers is")
+    dense = set(dense)
     flags = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
     return 1 if all(flags) else flags
 
@@ -68,13 +71,13 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
     llama.refuse_attention_bias(hf)
     cfg = llama.base_config(hf, name)
     cfg.qk_norm = True
-    if hf.value("use_sliding_window", bool, False) and hf.value("sliding_window", int, None) is not None:
-        cfg.sliding_window, cfg.sliding_window_pattern = hf.value("sliding_window", int), 1
-    experts = hf.value("num_experts", int, None) or hf.value("num_local_experts", int, 128)
+    if hf.value("use_sliding_window", bool, False) and hf.count("sliding_window", None) is not None:
+        cfg.sliding_window, cfg.sliding_window_pattern = hf.count("sliding_window"), 1
+    experts = hf.count("num_experts", None, least=0) or hf.count("num_local_experts", 128, least=0)
     freq = _layer_freq(hf, cfg.num_layers)
     if experts and (freq == 1 or any(freq)):  # without experts: a dense Qwen3
-        cfg.moe = MoEConfig(num_experts=experts, top_k=hf.value("num_experts_per_tok", int, 8),
-                            ffn_hidden_size=hf.value("moe_intermediate_size", int, 768), layer_freq=freq,
+        cfg.moe = MoEConfig(num_experts=experts, top_k=hf.count("num_experts_per_tok", 8),
+                            ffn_hidden_size=hf.count("moe_intermediate_size", 768), layer_freq=freq,
                             router="softmax", norm_topk=hf.value("norm_topk_prob", bool, False),
                             aux_loss_coeff=hf.value("router_aux_loss_coef", float, 0.001))
     return cfg
@@ -82,7 +85,7 @@ def model_config(hf: HFConfig, name: str) -> ModelConfig:
 
 def compatible(cfg: TransformerConfig) -> str:
     """Why ``cfg`` has no Qwen3-MoE counterpart, or '' when it has one."""
-    why = llama.plain(cfg, "Qwen3-MoE", FEATURES) or llama.no_biases(cfg, "Qwen3-MoE")
+    why = llama.plain(cfg, "Qwen3-MoE") or llama.no_biases(cfg, "Qwen3-MoE")
     if why:
         return why
     if not cfg.qk_norm or cfg.moe is None:

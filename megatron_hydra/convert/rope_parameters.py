@@ -33,27 +33,28 @@ KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_fre
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
 
 
-def read(params: HFConfig, where: str, theta: float, max_positions: int,
+def read(params: HFConfig, theta: float, max_positions: int,
          original: Optional[int] = None) -> Tuple[float, Optional[RopeScalingConfig]]:
-    """(rope_theta, rope_scaling) of one RoPE object ``params`` (``where``: its place in the file,
-    for messages). ``theta``: the base when the object has none; ``original``: a top-level
-    original context, which wins over the object's (as transformers has it)."""
+    """(rope_theta, rope_scaling) of one RoPE object ``params`` (``HFConfig.part``: its keys named
+    by their place in the file). ``theta``: the base when the object has none; ``original``: a
+    top-level original context, which wins over the object's (as transformers has it)."""
+    where = params.where
     kind = params.value("rope_type", str, params.value("type", str, "default"))
     if kind != "default" and kind not in SCALINGS:
-        raise params.unsupported(f"{where}rope_type", kind, f"{', '.join(SCALINGS)} are (or default: no scaling)")
+        raise params.unsupported("rope_type", kind, f"{', '.join(SCALINGS)} are (or default: no scaling)")
     partial = params.value("partial_rotary_factor", float, 1.0)
     if partial != 1.0:
-        raise params.unsupported(f"{where}partial_rotary_factor", partial, "RoPE rotates every dimension of a head")
+        raise params.unsupported("partial_rotary_factor", partial, "RoPE rotates every dimension of a head")
     for key in ("mscale", "mscale_all_dim"):
         if params.get(key) not in (None, 0):
-            raise params.unsupported(f"{where}{key}", params[key], "yarn's attention_factor is (set it instead)")
-    theta = params.value("rope_theta", float, theta)
+            raise params.unsupported(key, params[key], "yarn's attention_factor is (set it instead)")
+    theta = base(params, "rope_theta", theta)
     if kind == "default":
         return theta, None
     values = {key: params.value(key, bool if key == "truncate" else float, None) for key in KEYS[kind]
               if key != ORIGINAL}
     if kind in ("llama3", "yarn"):
-        values[ORIGINAL] = original or params.value(ORIGINAL, int, max_positions)
+        values[ORIGINAL] = original or params.count(ORIGINAL, max_positions)
     if kind == "yarn":
         values["factor"] = values["factor"] or max_positions / values[ORIGINAL]
         values["beta_fast"], values["beta_slow"] = values["beta_fast"] or 32.0, values["beta_slow"] or 1.0
@@ -71,11 +72,19 @@ def rope_of(hf: HFConfig, default_theta: float) -> Tuple[float, Optional[RopeSca
     partial = hf.value("partial_rotary_factor", float, 1.0)
     if partial != 1.0:
         raise hf.unsupported("partial_rotary_factor", partial, "RoPE rotates every dimension of a head")
-    key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
-    params = HFConfig(hf.value(key, dict, {}), hf.path)
-    where = "" if key == "rope_parameters" else "rope_scaling."
-    return read(params, where, hf.value("rope_theta", float, default_theta),
-                hf.value("max_position_embeddings", int, 2048), hf.value(ORIGINAL, int, None))
+    # transformers 5's layout names its keys as transformers' RoPE code does (rope_type, factor, ...).
+    params = hf.part("rope_scaling") if hf.get("rope_scaling") is not None else hf.part("rope_parameters", where="")
+    return read(params, base(hf, "rope_theta", default_theta), hf.count("max_position_embeddings", 2048),
+                hf.count(ORIGINAL, None))
+
+
+def base(hf: HFConfig, key: str, default: float) -> float:
+    """The RoPE base at ``key`` (``default`` where absent): positive, as the frequencies
+    base^(-2i/d) need."""
+    theta = hf.value(key, float, default)
+    if not theta > 0:
+        raise hf.unsupported(key, theta, "a positive base is")
+    return theta
 
 
 def write(theta: float, scaling: Optional[RopeScaling]) -> dict:
