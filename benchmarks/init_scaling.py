@@ -8,7 +8,7 @@ pipeline stage holds them. For each tp, one fresh process is tensor-parallel ran
 torch's fake process group: no peers are needed to build and initialise a shard) and materialises
 its shard with:
 
-- ``shard``: the package's path (``training.module.build_model``'s): the model built on the meta
+- ``shard``: the package's path (``models.stages.build_model``'s): the model built on the meta
   device, each parameter allocated and filled with only its own elements (``models.init``);
 - ``full`` (the previous scheme, re-implemented here as the baseline): the model built with CPU
   storage, then for each parameter the whole logical tensor drawn from a generator seeded by

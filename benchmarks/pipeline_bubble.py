@@ -57,7 +57,7 @@ def _measure(pp, vpp, schedule, m, steps, hidden, seq):
     from megatron_hydra.parallel.pipeline import Pipeline
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.models.archs import masked_mean
-    from megatron_hydra.training.module import build_stage_chunks
+    from megatron_hydra.models.stages import build_stage_chunks
 
     cfg = _config(pp, vpp, schedule, m, hidden, seq)
     derived = derive(cfg)

@@ -1,24 +1,31 @@
-"""Text from a checkpoint: ``python -m megatron_hydra.generate checkpoint=CKPT prompt="def main(" ...``
+"""Text from a checkpoint, at any layout: ``python -m megatron_hydra.generate checkpoint=CKPT prompt="def main(" ...``
 
     checkpoint=PATH            a checkpoint directory (training's step_NNNNNNN, or an import)
     prompt="..."               the text to continue (empty: start from end-of-document)
+    prompts=["...","..."]      several prompts, batched (each printed with its continuation, in order)
     max_new_tokens=64          stop after this many tokens, or earlier at end-of-document
     sampling.greedy=false      true: always the most likely token
     sampling.temperature=1.0   divide the logits by this before sampling
     sampling.top_k=0           sample among the k most likely tokens (0: all)
     sampling.top_p=1.0         ... among the fewest tokens whose probability reaches p (nucleus)
-    seed=1234                  the sampling generator's seed
-    tokenizer=PATH             a tokenizer.json (default: the checkpoint's own)
+    seed=1234                  prompt i samples from its own generator seeded with seed + i
+    tokenizer=PATH             a tokenizer.json (default: the checkpoint's own, else its data's)
     use_cache=true             false recomputes the whole sequence for every token
+    batch_size=8               prompts generated together (per data-parallel rank)
+    run_dir=DIR                the run's directory (default outputs/<date>/<time>-generate)
+    parallel=tp2 trainer.devices=2 ...   launch.py's parallel=, trainer.*, precision= overrides: the
+                               layout and machine it runs on (tp, pp, dp, sequence parallel; torchrun
+                               and srun start it like launch.py)
+    model.KEY=VALUE            on top of the checkpoint's own model (e.g. model.seq_length for RoPE)
 
-The model runs whole in one process. With the KV cache (``models.kv_cache``) the prompt runs
-once and every later step feeds only the newest token, so a step costs one token's work instead of
-the whole sequence's.
+The launcher runs it like training (``training.inference_job``): each rank builds its stage of the
+model, loads its part of the checkpoint and runs the inference engine (``inference.engine``), whose
+KV cache is sharded by heads over TP; rank 0 prints. The tokens do not depend on the layout.
+``generate`` below is the single-process loop the engine is checked against.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -26,60 +33,35 @@ from typing import List, Optional, Sequence
 import torch
 from omegaconf import MISSING
 
-from megatron_hydra.errors import ConfigError, MegatronHydraError
+from megatron_hydra.config import RunConfig
+from megatron_hydra.config.schema import GenerationConfig, SamplingConfig
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.inference.engine import model_positions
+from megatron_hydra.inference.sampling import check_sampling, sample_next
 from megatron_hydra.models.kv_cache import KVCache
 
-
-@dataclass
-class SamplingConfig:
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+__all__ = ["SamplingConfig", "check_sampling", "sample_next", "generate", "max_length", "main"]
 
 
 @dataclass
 class GenerateConfig:
+    """This command line's own options (the rest are launch.py's overrides)."""
+
     checkpoint: str = MISSING
-    prompt: str = ""
+    prompt: Optional[str] = None
+    prompts: Optional[List[str]] = None
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 1234
     tokenizer: Optional[str] = None
     use_cache: bool = True
-
-
-def check_sampling(s: SamplingConfig) -> None:
-    if not s.greedy and s.temperature <= 0:
-        raise ConfigError(f"sampling.temperature={s.temperature} must be > 0 (or set sampling.greedy=true)")
-    if s.top_k < 0:
-        raise ConfigError(f"sampling.top_k={s.top_k} must be >= 0 (0 keeps every token)")
-    if not 0.0 < s.top_p <= 1.0:
-        raise ConfigError(f"sampling.top_p={s.top_p} must be in (0, 1]")
-
-
-def sample_next(logits: torch.Tensor, s: SamplingConfig, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One token id per row of ``logits`` [batch, vocab] (padded entries are -inf)."""
-    if s.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / s.temperature
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the more likely ones already reach top_p; the most likely always stays.
-        drop = probs.cumsum(dim=-1) - probs >= s.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    batch_size: int = 8
+    run_dir: Optional[str] = None
 
 
 def max_length(model) -> int:
     """Longest sequence the model has positions for."""
-    cfg = model.cfg
-    return cfg.max_position_embeddings if cfg.position_embedding == "learned" else cfg.seq_length
+    return model_positions(model.cfg)
 
 
 @torch.no_grad()
@@ -102,7 +84,9 @@ def generate(model, prompt: Sequence[int], max_new_tokens: int, sampling: Sampli
     try:
         for _ in range(max_new_tokens):
             logits = model(step_input, kv_cache=cache) if use_cache else model(tokens)
-            token = sample_next(logits[:, -1], sampling, generator)
+            # The padded vocabulary entries (their number depends on tp) are left out: a draw
+            # consumes the generator per entry, and the tokens must not depend on the layout.
+            token = sample_next(logits[:, -1, :model.cfg.vocab_size], sampling, generator)
             if eod is not None and int(token) == eod:
                 break
             out.append(int(token))
@@ -113,73 +97,50 @@ def generate(model, prompt: Sequence[int], max_new_tokens: int, sampling: Sampli
     return out
 
 
-# The end-of-training sample (``trainer.generate_sample_tokens``) -----------------------------------
-SAMPLE_PROMPT = "def main("
-SAMPLE_SAMPLING = SamplingConfig(temperature=0.8, top_k=50, top_p=0.95)
-
-
-def training_sample(model, cfg, ps) -> Optional[str]:
-    """A short continuation of ``SAMPLE_PROMPT`` by the just-trained model, or ``None`` when this
-    rank does not hold the whole model (tp, pp or ep > 1, or FSDP-sharded: use ``python -m megatron_hydra.generate``)."""
-    from megatron_hydra.parallel.fsdp import is_sharded
-
-    if ps.tp_size > 1 or ps.pp_size > 1 or ps.ep > 1 or any(is_sharded(p) for p in model.parameters()):
-        return None
-    from megatron_hydra.data.builders import build_tokenizer_for
-
-    tokenizer = build_tokenizer_for(cfg.data)
-    prompt = tokenizer.encode(SAMPLE_PROMPT) or [tokenizer.eod]
-    n = max(0, min(cfg.trainer.generate_sample_tokens, max_length(model) - len(prompt)))
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed)
-    ids = generate(model, prompt, n, SAMPLE_SAMPLING, tokenizer.eod, generator)
-    return SAMPLE_PROMPT + tokenizer.decode(ids)
-
-
 # Command line --------------------------------------------------------------------------------------
-def _tokenizer(args: GenerateConfig, cfg):
-    from megatron_hydra.checkpoint.standalone import tokenizer_for
-    from megatron_hydra.data.tokenizers import HFTokenizer
+def build_config(argv: Sequence[str]) -> RunConfig:
+    """The RunConfig of ``mode=generate`` for this command line (one line for a bad option)."""
+    from megatron_hydra.launcher import detect_external
+    from megatron_hydra.parallel.device import visible_gpus
+    from megatron_hydra.training.inference_cli import job_config, parse_command_line
 
-    if args.tokenizer:
-        return HFTokenizer(os.path.expanduser(args.tokenizer))
-    tokenizer = tokenizer_for(args.checkpoint, cfg)
-    if tokenizer is None:
-        raise ConfigError(f"checkpoint={args.checkpoint} was trained on synthetic data and has no tokenizer: "
-                          "give tokenizer=PATH/tokenizer.json")
-    return tokenizer
-
-
-def run(args: GenerateConfig) -> str:
-    from megatron_hydra.checkpoint import standalone
-
+    args, launch, model = parse_command_line(GenerateConfig, argv)
     check_sampling(args.sampling)
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={args.max_new_tokens} must be >= 1")
-    cfg = standalone.read_config(args.checkpoint)
-    tokenizer = _tokenizer(args, cfg)
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.eod]
-    needed = len(prompt) + args.max_new_tokens
-    # Rotary tables are built for seq_length positions: make room for the whole generation.
-    seq = max(cfg.model.seq_length, needed) if cfg.model.position_embedding == "rope" else None
-    _, _, model = standalone.load_model(args.checkpoint, seq_length=seq)
-    generator = torch.Generator().manual_seed(args.seed)
-    ids = generate(model, prompt, args.max_new_tokens, args.sampling, tokenizer.eod, generator, args.use_cache)
-    return args.prompt + tokenizer.decode(ids)
+    for key in ("max_new_tokens", "batch_size"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"{key}={getattr(args, key)} must be >= 1")
+    if args.prompt is not None and args.prompts is not None:
+        raise ConfigError("give prompt=\"...\" or prompts=[...], not both")
+    prompts = list(args.prompts) if args.prompts is not None else [args.prompt or ""]
+    if not prompts:
+        raise ConfigError("prompts=[] holds no prompt: give at least one (\"\" starts from end-of-document)")
+    external = detect_external()
+    cfg = job_config("generate", args.checkpoint, launch, model, args.tokenizer, args.run_dir, visible_gpus(),
+                     external.local_world_size if external else None)
+    cfg.generation = GenerationConfig(prompts=prompts, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
+                                      seed=args.seed, use_cache=args.use_cache, batch_size=args.batch_size)
+    _fit_rope_tables(cfg)
+    return cfg
+
+
+def _fit_rope_tables(cfg: RunConfig) -> None:
+    """RoPE tables are built for ``model.seq_length`` positions: make room for the longest prompt
+    and its new tokens (learned position tables keep their size; preflight names a request that
+    does not fit them)."""
+    from megatron_hydra.training.inference_job import job_tokenizer, prompt_tokens
+
+    if cfg.model.position_embedding != "rope":
+        return
+    longest = max(len(t) for t in prompt_tokens(job_tokenizer(cfg), cfg.generation.prompts))
+    needed = longest + cfg.generation.max_new_tokens
+    multiple = cfg.parallel.tensor_parallel_size if cfg.parallel.sequence_parallel else 1
+    cfg.model.seq_length = max(cfg.model.seq_length, -(-needed // multiple) * multiple)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_hydra.config.cli import parse_args
+    from megatron_hydra.launcher import run_tool
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    try:
-        print(run(parse_args(GenerateConfig, argv)))
-    except MegatronHydraError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_tool(__doc__.strip(), build_config, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ First the config's ``auto`` values are chosen for this machine (``config.machine
 visible GPUs, the ranks torchrun/srun started). Config errors are raised before any process starts,
 and so are a run whose memory plan (``megatron_hydra.planning``) exceeds a device and a GPU run
 with fewer visible GPUs than local ranks; ``mode=plan`` prints that plan and starts nothing.
+``mode=generate`` and ``mode=evaluate`` (a checkpoint's text or lm-eval scores, at any layout)
+run their workers the same way; their checkpoint, tokenizer, prompts and tasks are checked first
+(``training.inference_job.preflight``), and they save nothing.
 
 Process lifecycle (``megatron_hydra.lifecycle``): the run directory and ``checkpoint.dir`` are
 checked writable and locked before any worker starts; spawned workers die with this process. The
@@ -35,15 +38,16 @@ import threading
 import uuid
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 
 from megatron_hydra import lifecycle, slurm
 from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.inference import INFERENCE_MODES, eval_output_dir, evaluating_during_training
 from megatron_hydra.config.io import free_port, write_config
 from megatron_hydra.config.machine import resolve
 from megatron_hydra.config.observability import check_logger_packages
-from megatron_hydra.errors import ConfigError, MegatronHydraError
+from megatron_hydra.errors import ConfigError, MegatronHydraError, one_line
 
 # Local CPU ranks per core beyond which a run is refused: gloo ranks time-share cores well up to a
 # handful each (the tests run 8 on 2), but hundreds only thrash and exhaust memory.
@@ -131,9 +135,12 @@ def check_local_cpu_ranks(cfg: RunConfig, external: Optional[ExternalLaunch]) ->
 
 
 def run_dirs(cfg: RunConfig) -> List[tuple]:
-    """The directories a run writes, with the key that sets each (for error messages)."""
+    """The directories a run writes, with the key that sets each (for error messages). A run of a
+    checkpoint (generate, evaluate) saves none."""
     from megatron_hydra.checkpoint.plan import checkpoint_dir
 
+    if cfg.mode in INFERENCE_MODES:
+        return [(cfg.run_dir, "run_dir (hydra.run.dir)")]
     return [(cfg.run_dir, "run_dir (hydra.run.dir)"), (checkpoint_dir(cfg), "checkpoint.dir")]
 
 
@@ -187,11 +194,14 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
     check_logger_packages(cfg)
     check_local_cpu_ranks(cfg, external)
     check_gpus(cfg, external, visible_gpus() if cfg.trainer.accelerator == "gpu" else 0)
-    from megatron_hydra.checkpoint.plan import start_point
-    from megatron_hydra.planning.fit import check_fits
+    if cfg.mode in INFERENCE_MODES:  # the checkpoint, tokenizer, prompts and tasks (training.inference_job)
+        from megatron_hydra.training import inference_job
 
-    check_fits(cfg, derived)  # the memory plan against the device: a run that cannot fit stops here
-    start_point(cfg, derived)  # a missing, incomplete or mismatching checkpoint fails here, in one line
+        if cfg.mode == "evaluate":
+            lifecycle.check_writable(eval_output_dir(cfg), "trainer.eval.output")
+        inference_job.preflight(cfg, derived)
+    else:
+        _check_training_start(cfg, derived)
     if external is not None:
         check_external_layout(cfg, derived, external)
     if external is None and cfg.trainer.num_nodes > 1:
@@ -199,7 +209,7 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
             f"trainer.num_nodes={cfg.trainer.num_nodes} needs an external launcher on every node "
             "(torchrun --nnodes ... or srun): this process can only spawn workers on its own node"
         )
-    if cfg.data.name != "synthetic" and (external is None or external.rank == 0):
+    if cfg.data.name != "synthetic" and cfg.mode == "train" and (external is None or external.rank == 0):
         # Build (or find cached) corpus and index arrays now: a bad file is a one-line DataError
         # before any worker starts, and workers then only open caches.
         from megatron_hydra.data.arch_datasets import dataset_factory
@@ -210,6 +220,18 @@ def preflight(cfg: RunConfig, derived: Derived, external: Optional[ExternalLaunc
                        make_dataset=dataset_factory(cfg.data, derived.transformer, cfg.data.seed))
 
 
+def _check_training_start(cfg: RunConfig, derived: Derived) -> None:
+    from megatron_hydra.checkpoint.plan import start_point
+    from megatron_hydra.planning.fit import check_fits
+
+    check_fits(cfg, derived)  # the memory plan against the device: a run that cannot fit stops here
+    start_point(cfg, derived)  # a missing, incomplete or mismatching checkpoint fails here, in one line
+    if evaluating_during_training(cfg):  # trainer.eval.tasks: an unknown task or a broken task file
+        from megatron_hydra.inference.lm_eval_adapter import check_tasks
+
+        check_tasks(list(cfg.trainer.eval.tasks))
+
+
 def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -217,7 +239,7 @@ def _spawn_local(cfg: RunConfig, derived: Derived, config_path: str) -> None:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     clear_error_files(cfg.run_dir)
-    stops = _StopRequests()
+    stops = _StopRequests(saves=cfg.mode == "train")
     with _environ({lifecycle.LAUNCHER_PID_ENV: str(os.getpid())}), stops.installed(), _kill_after_failure(cfg.run_dir):
         launch = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=derived.world_size,
@@ -296,9 +318,10 @@ class _StopRequests:
 
     STOP = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, in_process: bool = False):
+    def __init__(self, in_process: bool = False, saves: bool = True):
         self.received: List[int] = []
         self.in_process = in_process
+        self.saves = saves  # false: a run of a checkpoint (generate, evaluate), which a signal just ends
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -351,7 +374,7 @@ class _StopRequests:
         name = signal.Signals(signum).name
         if len(self.received) == 1:
             _notice(f"{name}: every rank saves a checkpoint at the next step boundary and stops "
-                    f"(send {name} again to stop at once, without saving)")
+                    f"(send {name} again to stop at once, without saving)" if self.saves else f"{name}: stopping")
             self._forward(signal.SIGTERM, frame)
         elif self.in_process:
             raise lifecycle.StopAtOnce(signum)
@@ -363,6 +386,8 @@ class _StopRequests:
         if not self.received:
             return
         name = signal.Signals(self.received[-1]).name
+        if not self.saves:
+            raise Interrupted(f"stopped by {name}", self.received[-1])
         if len(self.received) > 1:
             raise Interrupted(f"stopped at once by a second {name} (the newest complete checkpoint is kept; "
                               "resume with checkpoint.resume=auto)", self.received[-1])
@@ -512,8 +537,8 @@ def _run_in_process(cfg: RunConfig, derived: Derived) -> None:
                       WORLD_SIZE="1")
     clear_error_files(cfg.run_dir)
     stops = _StopRequests(in_process=True)
-    try:
-        with stops.installed():
+    try:  # a run of a checkpoint saves nothing: a signal ends it where it is
+        with stops.installed() if cfg.mode == "train" else nullcontext():
             run_worker(cfg, derived, local_rank=0, local_world_size=1)
     except lifecycle.StopAtOnce:
         stops.raise_if_stopped()
@@ -546,3 +571,21 @@ def _run_locked(cfg: RunConfig, derived: Derived, external: Optional[ExternalLau
         return final_validation_loss(cfg.run_dir)
     _spawn_local(cfg, derived, config_path)
     return final_validation_loss(cfg.run_dir)
+
+
+def run_tool(usage: str, build: Callable[[List[str]], RunConfig], argv: List[str]) -> int:
+    """A command-line tool that runs through the launcher (``python -m megatron_hydra.generate``,
+    ``.evaluate``): ``build`` makes its RunConfig from ``argv``; the exit status is launch.py's
+    (2: a bad config, data or checkpoint, in one line; 1: a failed worker; 128 + N: signal N)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage, file=sys.stderr)
+        return 2
+    try:
+        run(build(argv))
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except MegatronHydraError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1 if isinstance(e, WorkerFailed) else 2
+    return 0

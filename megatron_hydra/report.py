@@ -7,6 +7,9 @@ directory per run, ``0/``, ``1/``, ..., each with its ``csv/metrics.csv``). Into
 - ``loss.png``: training loss (line) and validation loss (dots) against tokens trained, one
   colour per job;
 - ``throughput.png``: tokens/s and MFU against the step;
+- ``eval.png`` (when the run evaluated during training, ``trainer.eval``): one panel per
+  ``eval/<task>/<metric>``, against tokens trained (against the step when an evaluation fell on a
+  step that logged no token count), with lm-eval's standard error as error bars;
 - ``summary.md``: a table of each job's final metrics, best first by final validation loss (by
   final training loss when the jobs did not validate), also printed.
 
@@ -224,7 +227,58 @@ def plot(jobs: Sequence[Job], out: str) -> List[str]:
     paths.append(os.path.join(out, "throughput.png"))
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
+    keys = eval_keys(jobs)
+    if keys:
+        paths.append(os.path.join(out, "eval.png"))
+        _plot_evals(plt, jobs, colours, keys, paths[-1])
     return paths
+
+
+def _is_stderr(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) > 2 and parts[2].endswith("_stderr")
+
+
+def stderr_key(key: str) -> str:
+    """The standard error's column of ``eval/<task>/<metric>[/<filter>]``: lm-eval names it
+    ``<metric>_stderr`` under the same filter."""
+    parts = key.split("/")
+    parts[2] += "_stderr"
+    return "/".join(parts)
+
+
+def eval_keys(jobs: Sequence[Job]) -> List[str]:
+    """The ``eval/<task>/<metric>`` columns any job logged (standard errors aside: error bars)."""
+    return sorted({k for job in jobs for r in job.rows for k in r if k.startswith("eval/") and not _is_stderr(k)})
+
+
+def eval_series(job: Job, key: str, tokens: Optional[Dict[float, float]]) -> List[tuple]:
+    """(x, value, standard error or None) per evaluation of ``key``; x is tokens trained when
+    ``tokens`` is given, else the step."""
+    err = stderr_key(key)
+    return [(tokens[r["step"]] if tokens is not None else r["step"], r[key], r.get(err)) for r in job.series(key)]
+
+
+def _plot_evals(plt, jobs: Sequence[Job], colours, keys: List[str], path: str) -> None:
+    by_tokens = {id(job): tokens_by_step(job) for job in jobs}
+    use_tokens = all(r["step"] in by_tokens[id(job)] for job in jobs for key in keys for r in job.series(key))
+    cols = min(2, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.5 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, job in enumerate(jobs):
+            points = eval_series(job, key, by_tokens[id(job)] if use_tokens else None)
+            if points:
+                errors = [e if e is not None and math.isfinite(e) else 0.0 for _, _, e in points]
+                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, marker="o", capsize=3,
+                            color=colours[i % len(colours)], label=job.label)
+        ax.set(title=key.removeprefix("eval/"), xlabel="tokens" if use_tokens else "step")
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
 
 
 def report(path: str, out: Optional[str] = None) -> List[str]:

@@ -3,6 +3,9 @@ greedy decoding of an imported GPT-2 gives transformers' own greedy tokens."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
@@ -123,26 +126,42 @@ def test_greedy_matches_transformers_and_cli(tmp_path, capsys):
 
     tok = HFTokenizer(str(tmp_path / "ckpt" / "tokenizer.json"))
     expected = generate(model, tok.encode("def main("), 12, _greedy(), eod=tok.eod)
-    assert main([f"checkpoint={tmp_path / 'ckpt'}", "prompt=def main(", "max_new_tokens=12", "sampling.greedy=true"]) == 0
+    run_dir = f"run_dir={tmp_path / 'run'}"
+    with mock.patch.dict(os.environ):  # the one-process run sets its rendezvous variables
+        assert main([f"checkpoint={tmp_path / 'ckpt'}", "prompt=def main(", "max_new_tokens=12",
+                     "sampling.greedy=true", run_dir]) == 0
     assert capsys.readouterr().out == "def main(" + tok.decode(expected) + "\n"
-    assert main([f"checkpoint={tmp_path / 'ckpt'}", "sampling.top_p=2"]) == 2
+    assert main([f"checkpoint={tmp_path / 'ckpt'}", "sampling.top_p=2", run_dir]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: sampling.top_p=2.0") and "\n" not in err
-    assert main([f"checkpoint={tmp_path / 'nowhere'}"]) == 2
+    assert main([f"checkpoint={tmp_path / 'nowhere'}", run_dir]) == 2
     assert "no such file or directory" in capsys.readouterr().err
 
 
-def test_training_sample_on_whole_model_only():
-    from megatron_hydra.generate import SAMPLE_PROMPT, training_sample
+def test_training_sample_is_the_reference_loop_and_names_what_it_skips():
+    """The end-of-run sample (the inference engine on the live model) draws the tokens of the
+    single-process loop with a generator seeded ``cfg.seed``; a layout the engine does not run
+    gets a reason instead, the same on every rank (the config says it)."""
+    from megatron_hydra.data.tokenizers import ByteTokenizer
+    from megatron_hydra.generate import generate
     from megatron_hydra.parallel.state import ParallelState
+    from megatron_hydra.training.inference_job import (SAMPLE_PROMPT, SAMPLE_SAMPLING, no_sample_reason,
+                                                       training_sample)
 
     cfg, model = _model("learned", "gelu", 4)
     cfg.data.name, cfg.data.tokenizer.type, cfg.data.blend = "indexed", "byte", ["unused"]
     cfg.trainer.generate_sample_tokens = 8
-    text = training_sample(model, cfg, ParallelState.single())
-    assert text.startswith(SAMPLE_PROMPT)
-    split = ParallelState(sizes={"pp": 2, "dp": 1, "cp": 1, "tp": 1})
-    assert training_sample(model, cfg, split) is None
+    single = ParallelState.single()
+    text = training_sample(model, cfg, model.cfg, single)
+    tok = ByteTokenizer()
+    reference = generate(model, tok.encode(SAMPLE_PROMPT), 8, SAMPLE_SAMPLING, eod=tok.eod,
+                         generator=torch.Generator().manual_seed(cfg.seed))
+    assert text == SAMPLE_PROMPT + tok.decode(reference) and len(reference) == 8
+    assert no_sample_reason(cfg, single) is None
+    cfg.parallel.context_parallel_size = 2
+    assert no_sample_reason(cfg, single) == "context parallelism"
+    cfg.parallel.context_parallel_size, cfg.parallel.virtual_pipeline_size = 1, 2
+    assert no_sample_reason(cfg, single) == "virtual pipeline stages"
 
 
 def test_sample_length_is_validated():

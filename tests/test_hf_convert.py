@@ -127,7 +127,7 @@ def _layout_logits(ckpt, layout, world, tokens):
     from megatron_hydra.checkpoint import sharded, standalone
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.state import ParallelState
-    from megatron_hydra.training.module import build_stage_chunks
+    from megatron_hydra.models.stages import build_stage_chunks
 
     cfg, _ = standalone.single_process(standalone.read_config(ckpt))
     tp, pp, ep = layout

@@ -158,7 +158,7 @@ def test_a_shard_is_computed_from_its_own_elements_in_bounded_chunks():
 
 def test_meta_build_leaves_nothing_on_meta_and_recomputes_rope():
     from megatron_hydra.config import derive
-    from megatron_hydra.training.module import build_model
+    from megatron_hydra.models.stages import build_model
 
     cfg = compose_config([*SMALL, "model.position_embedding=rope", "model.normalization=rmsnorm",
                           "model.activation=swiglu"])

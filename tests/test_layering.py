@@ -24,9 +24,10 @@ LEVELS = {
     "models": 4,
     "data": 5,
     "checkpoint": 6, "planning": 6,
-    "convert": 7, "generate": 7, "report": 7,
+    "convert": 7, "report": 7, "inference": 7,  # inference: the engine and lm-eval adapter, any layout
     "training": 8,
     "launcher": 9,
+    "generate": 10, "evaluate": 10,  # command lines that start jobs through the launcher
 }
 
 

@@ -14,7 +14,6 @@ trajectory (the router's selection bias included). Bad configs fail in ``derive`
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import SMALL, assert_same_trajectory, compose_config, run_training
 from megatron_hydra.config import derive
@@ -138,11 +137,3 @@ def test_moe_flops_count_the_experts_a_token_runs_through():
     assert model_flops_per_token(moe) - model_flops_per_token(dense) == pytest.approx(3 * 2 * per_layer)
 
 
-def test_end_of_run_sample_is_skipped_when_experts_are_split():
-    """Generating on rank 0 alone would wait forever in the expert all-to-all: the end-of-run
-    sample needs the whole model on one rank (python -m megatron_hydra.generate loads it whole)."""
-    from megatron_hydra.generate import training_sample
-    from megatron_hydra.parallel.state import ParallelState
-
-    ps = ParallelState(sizes={"pp": 1, "dp": 2, "cp": 1, "tp": 1}, ep=2)
-    assert training_sample(torch.nn.Linear(1, 1), compose_config(MOE), ps) is None

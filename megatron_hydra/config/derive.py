@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_hydra.config import architecture
+from megatron_hydra.config.inference import check_inference
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
 from megatron_hydra.config.ranges import check_ranges
@@ -496,6 +497,7 @@ def derive(cfg: RunConfig) -> Derived:
         raise ConfigError(
             f"parallel.virtual_pipeline_size={vpp} needs parallel.pipeline_parallel_size > 1: set it to null"
         )
+    check_inference(cfg)  # mode=generate/evaluate and trainer.eval: what the inference engine runs
     if par.sequence_parallel:
         if tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1: set it to false")

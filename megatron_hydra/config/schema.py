@@ -317,6 +317,43 @@ class WandbConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """How the next token is chosen (generation, lm-eval's generate_until, the end-of-run sample)."""
+
+    greedy: bool = False  # always the most likely token
+    temperature: float = 1.0  # the logits divided by this before sampling
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    top_p: float = 1.0  # ... among the fewest tokens whose probability reaches p (nucleus)
+
+
+@dataclass
+class EvalConfig:
+    """lm-evaluation-harness tasks (docs/evaluation.md): during training (``trainer.eval``) and for
+    ``python -m megatron_hydra.evaluate``, on the job's own layout."""
+
+    # lm-eval task names, or paths of local task YAML files (a task over local data needs no network).
+    tasks: List[str] = field(default_factory=list)
+    every_n_steps: int = 0  # during training: evaluate every n optimizer steps (0: never)
+    limit: Optional[int] = None  # examples per task (null: all)
+    num_fewshot: Optional[int] = None  # null: each task's own
+    batch_size: int = 8  # requests per forward pass (per data-parallel rank)
+    # Where lm-eval's results JSON goes; null: <run_dir>/eval.
+    output: Optional[str] = None
+
+
+@dataclass
+class GenerationConfig:
+    """``mode=generate`` (``python -m megatron_hydra.generate``): text from the loaded checkpoint."""
+
+    prompts: List[str] = field(default_factory=lambda: [""])  # "" starts from end-of-document
+    max_new_tokens: int = 64  # per prompt; a prompt stops earlier at end-of-document
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 1234  # prompt i samples from its own generator seeded with seed + i (layout-free)
+    use_cache: bool = True  # false recomputes the whole sequence for every token
+    batch_size: int = 8  # prompts generated together (per data-parallel rank)
+
+
+@dataclass
 class TrainerConfig:
     name: str = "cpu"
     # auto (trainer=auto, the default preset) is resolved before derive (config/machine.py): gpu
@@ -346,8 +383,11 @@ class TrainerConfig:
     # (planning/peak.py). Set it for a GPU that table lacks, or to skip the CPU measurement.
     peak_tflops: Optional[float] = None
     # When training ends, rank 0 prints a sample of this many tokens from the trained GPT (real
-    # text data and tp = pp = 1 only; 0 disables it).
+    # text data, at any layout the inference engine runs: not with context parallelism, virtual
+    # pipeline stages or FSDP; 0 disables it).
     generate_sample_tokens: int = 48
+    # lm-evaluation-harness tasks evaluated during training (EvalConfig); logged as eval/<task>/<metric>.
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Where rank 0's metrics go: any of tensorboard, csv, wandb (pip install '.[wandb]').
     logger: List[str] = field(default_factory=lambda: ["tensorboard", "csv"])
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -433,8 +473,11 @@ class RunConfig:
     # train | plan (print the per-rank memory plan, no training) | plan_layouts (rank parallel layouts
     # for the cluster given by cluster=..., no training) | dry_run (one real step of chosen ranks of
     # the job on a CPU: fake process group, fake GPU tensors; docs/dry_run.md)
-    mode: str = one_of("train", "plan", "plan_layouts", "dry_run")
+    # | generate (text from checkpoint.load at this layout: ``generation``) | evaluate (lm-eval tasks
+    # ``trainer.eval`` on checkpoint.load at this layout)
+    mode: str = one_of("train", "plan", "plan_layouts", "dry_run", "generate", "evaluate")
     dry_run: DryRunConfig = field(default_factory=DryRunConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     # Weights, dropout and every other random stream: an integer in [0, 2**32) (numpy's and
     # Lightning's range), less 100 per pipeline stage after the first (each stage seeds with
     # seed + 100 x stage; config/ranges.py).

@@ -11,11 +11,15 @@ its entry keeps only those after each step: its memory is bounded by the window 
 generation runs. Positions therefore count separately from what an entry holds.
 
 A cache holds one batch of sequences that advance together (the same length for every row).
+Prompts of different lengths share one by left padding: ``pads`` says how many pad tokens open
+each row. A pad key is then seen by no real query (every row's real tokens form one document
+after its pads, ``parallel.document_masks``), so a row's result is the one it would have alone,
+given its real positions (``position_ids`` counting from its first real token).
 """
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -30,8 +34,11 @@ class _Entry(NamedTuple):
 
 
 class KVCache:
-    def __init__(self) -> None:
+    def __init__(self, pads: Optional[torch.Tensor] = None) -> None:
+        """``pads`` ([batch] ints): the pad tokens that open each row (left padding); None or all
+        zero: no row is padded, and attention keeps its unmasked kernels."""
         self._entries: Dict[nn.Module, _Entry] = {}
+        self.pads = pads if pads is not None and bool(pads.any()) else None
 
     @property
     def offset(self) -> int:
@@ -62,12 +69,21 @@ class KVCache:
         if entry is not None:
             k, v = torch.cat([entry.keys, k], dim=-2), torch.cat([entry.values, v], dim=-2)
         window = getattr(attention, "window", None)
+        documents = self._documents(seen, k.shape[-2])
         if q.shape[-2] == seen:  # the prompt: the training path's kernel
-            out = attention.core_attention(q, k, v)
+            out = attention.core_attention(q, k, v, **({} if documents is None else {"document_ids": documents}))
         else:  # the new queries are the last positions held
             out = masked_attention(q, k, v, scale=attention.cfg.softmax_scale, window=window,
-                                   softcap=getattr(attention, "softcap", None))
+                                   softcap=getattr(attention, "softcap", None), document_ids=documents)
         if window is not None and k.shape[-2] > window - 1:
             k, v = k[..., k.shape[-2] - (window - 1):, :], v[..., v.shape[-2] - (window - 1):, :]
         self._entries[attention] = _Entry(k, v, seen)
         return out
+
+    def _documents(self, seen: int, held: int) -> Optional[torch.Tensor]:
+        """[b, held] document ids of the keys held (the last ``held`` of ``seen``): 0 for a row's
+        pads, 1 for its tokens; None without padding."""
+        if self.pads is None:
+            return None
+        index = torch.arange(seen - held, seen, device=self.pads.device)
+        return (index.unsqueeze(0) >= self.pads.unsqueeze(1)).long()

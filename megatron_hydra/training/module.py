@@ -43,11 +43,11 @@ import torch
 
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.archs import ARCHS
-from megatron_hydra.models.init import materialize
 from megatron_hydra.models.moe import MoELayer
+from megatron_hydra.models.stages import build_model, build_stage_chunks
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
-from megatron_hydra.parallel.pipeline import Pipeline, stage_indices, stage_layers
+from megatron_hydra.parallel.pipeline import Pipeline
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.planning.peak import device_peak_tflops
@@ -77,25 +77,6 @@ def host_sync_step(step: int, cfg: RunConfig) -> bool:
     picks the same steps without communicating."""
     every = cfg.checkpoint.every_n_steps
     return (step + 1) % cfg.trainer.log_every_n_steps == 0 or bool(every and (step + 1) % every == 0)
-
-
-def build_model(cfg: RunConfig, derived: Derived, ps: ParallelState, device, **stage) -> torch.nn.Module:
-    """The model (or one pipeline chunk: ``stage`` holds layers, pre_process, post_process),
-    built on the meta device and given its storage on ``device`` shard by shard, each parameter
-    filled there from its logical name (``models.init``): no CPU copy, nothing drawn whole."""
-    tcfg = derived.transformer
-    model = ARCHS[tcfg.arch].build(tcfg, ps, device="meta", **stage)
-    return materialize(model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size, device)
-
-
-def build_stage_chunks(cfg: RunConfig, derived: Derived, ps: ParallelState, device=None):
-    """This pipeline rank's model chunks and their virtual stage indices, initialised from the
-    logical parameter names (the same values as the whole model at pp=1)."""
-    per_stage = derived.layers_per_stage
-    stages = stage_indices(ps.pp_rank, ps.pp_size, derived.vpp, cfg.parallel.pipeline_schedule)
-    chunks = [build_model(cfg, derived, ps, device, layers=stage_layers(per_stage, stage), pre_process=stage == 0,
-                          post_process=stage == len(per_stage) - 1) for stage in stages]
-    return chunks, stages
 
 
 class LMModule(pl.LightningModule):

@@ -7,7 +7,7 @@ import os
 import signal
 import warnings
 from functools import partial
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -25,6 +25,7 @@ from megatron_hydra.data.sequence_shards import ShardingCollate
 from megatron_hydra.parallel.random import seed_model_parallel, stage_seed
 from megatron_hydra.parallel.state import ParallelState, device_for
 from megatron_hydra.training.checkpointing import CheckpointCallback
+from megatron_hydra.training.evaluation import evaluation_callbacks
 from megatron_hydra.training.loggers import build_loggers
 from megatron_hydra.training.module import LMModule
 from megatron_hydra.training.step_profiler import StepProfiler
@@ -120,7 +121,8 @@ class _ProgressBar(TQDMProgressBar):
 
 
 def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, rank: int,
-                  checkpoints: Optional[CheckpointCallback] = None) -> pl.Trainer:
+                  checkpoints: Optional[CheckpointCallback] = None,
+                  callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
     # A resumed run continues the metric history of its run directory from its start step.
     start = checkpoints.start if checkpoints is not None else None
     loggers = build_loggers(cfg, int(start["step"]) if start else 0, rank)
@@ -135,7 +137,7 @@ def build_trainer(cfg: RunConfig, derived: Derived, strategy: MegatronStrategy, 
         enable_progress_bar=cfg.trainer.enable_progress_bar and rank == 0,
         enable_model_summary=rank == 0,
         callbacks=([checkpoints] if checkpoints else []) + ([_ProgressBar()] if cfg.trainer.enable_progress_bar and rank == 0 else [])
-                  + _profiler(cfg, rank),
+                  + _profiler(cfg, rank) + list(callbacks),
         enable_checkpointing=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
@@ -187,23 +189,27 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     start = start_point(cfg, derived)
     train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
     checkpoints = CheckpointCallback(cfg, derived, ps, start)
-    trainer = build_trainer(cfg, derived, strategy, rank, checkpoints)
+    trainer = build_trainer(cfg, derived, strategy, rank, checkpoints, evaluation_callbacks(cfg, derived, ps))
     try:
         trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=valid_loader)
     except BaseException:
         finish_wandb(trainer.loggers, failed=True)
         raise
     finish_wandb(trainer.loggers, failed=False)
-    if (rank == 0 and cfg.trainer.generate_sample_tokens and cfg.data.name != "synthetic" and cfg.model.arch == "gpt"
+    if (cfg.trainer.generate_sample_tokens and cfg.data.name != "synthetic" and cfg.model.arch == "gpt"
             and not checkpoints.stopped_by_signal):
-        _print_sample(cfg, module, ps)
+        _print_sample(cfg, derived, module, ps)
 
 
-def _print_sample(cfg: RunConfig, module, ps: ParallelState) -> None:
-    from megatron_hydra.generate import training_sample
+def _print_sample(cfg: RunConfig, derived: Derived, module, ps: ParallelState) -> None:
+    """Every rank generates (the inference engine runs the model at the run's layout); rank 0 talks."""
+    from megatron_hydra.training.inference_job import no_sample_reason, training_sample
 
-    sample = training_sample(module.model, cfg, ps)
-    if sample is None:
-        log.info("no sample: the model is split over ranks; run python -m megatron_hydra.generate checkpoint=...")
-    else:
+    reason = no_sample_reason(cfg, ps)
+    if reason is not None:
+        log.info("no sample (the inference engine does not run %s): run python -m megatron_hydra.generate "
+                 "checkpoint=... on the saved checkpoint", reason)
+        return
+    sample = training_sample(module.model, cfg, derived.transformer, ps)
+    if ps.rank == 0:
         log.info("sample from the trained model:\n%s", sample)

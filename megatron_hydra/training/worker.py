@@ -3,6 +3,8 @@
 A GPU rank makes its own GPU current before the process group exists and before any collective
 (``parallel.device``), whichever way it was started: the local launcher, torchrun or SLURM.
 
+``mode=generate`` and ``mode=evaluate`` run ``training.inference_job`` instead of training.
+
 ``python -m megatron_hydra.training.worker CONFIG`` is what the local launcher spawns per rank;
 torchrun/SLURM workers and single-process runs call ``run_worker`` directly. A worker that fails
 writes ``rank<N>.error`` into the run dir (one line, then the traceback) so the launcher can name
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_hydra import lifecycle
 from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config.inference import INFERENCE_MODES
 from megatron_hydra.errors import MegatronHydraError, one_line
 from megatron_hydra.parallel import device
 
@@ -65,8 +68,6 @@ def cpu_threads(num_threads: Optional[int], local_world_size: int) -> int:
 
 
 def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_size: int) -> None:
-    from megatron_hydra.training.train import train
-
     if cfg.trainer.accelerator == "cpu":
         torch.set_num_threads(cpu_threads(cfg.trainer.num_threads, local_world_size))
     else:
@@ -79,7 +80,7 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
             shared = [cfg.run_dir]
             dist.broadcast_object_list(shared, src=0)
             cfg.run_dir = shared[0]
-        train(cfg, derived, local_rank)
+        _run_mode(cfg, derived, local_rank)
     except BaseException:
         # With peers, leave the group as it is: destroying it waits on ranks that may be dead or
         # stopped, which kept a failed rank from exiting (and its launcher from noticing) for long.
@@ -87,6 +88,19 @@ def run_worker(cfg: RunConfig, derived: Derived, local_rank: int, local_world_si
             dist.destroy_process_group()
         raise
     dist.destroy_process_group()
+
+
+def _run_mode(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
+    """Train, or run a checkpoint (``mode=generate``/``evaluate``: ``training.inference_job``,
+    which needs no Lightning)."""
+    if cfg.mode in INFERENCE_MODES:
+        from megatron_hydra.training.inference_job import run_job
+
+        run_job(cfg, derived, local_rank)
+        return
+    from megatron_hydra.training.train import train
+
+    train(cfg, derived, local_rank)
 
 
 def error_file(run_dir: str, rank: int) -> str:
@@ -157,11 +171,14 @@ def main(argv=None) -> None:
     """Entry of a worker spawned by the local launcher: ``python -m megatron_hydra.training.worker CONFIG``."""
     parent = os.environ.get(lifecycle.LAUNCHER_PID_ENV)
     lifecycle.die_with_parent(int(parent) if parent else None)
-    _hold_early_sigterm()
     from megatron_hydra.config.io import read_config
 
     argv = sys.argv[1:] if argv is None else argv
-    cfg = read_config(argv[0])
+    cfg = read_config(argv[0])  # a stop request meanwhile stays pending: the launcher blocked it
+    if cfg.mode in INFERENCE_MODES:  # nothing to save: a stop request ends the rank
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    else:
+        _hold_early_sigterm()
     run_worker_and_exit(cfg, derive(cfg), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
