@@ -64,19 +64,13 @@ def build_config(argv: Sequence[str]) -> RunConfig:
     args, launch, model = parse_command_line(EvaluateConfig, argv)
     if not args.tasks:
         raise ConfigError("tasks=[...] is empty: name lm-eval tasks, or paths of local task YAML files")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"limit={args.limit} must be a positive integer (or left out: every example)")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise ConfigError(f"num_fewshot={args.num_fewshot} must be >= 0 (or left out: each task's own)")
-    if args.batch_size < 1:
-        raise ConfigError(f"batch_size={args.batch_size} must be >= 1")
     external = detect_external()
     cfg = job_config("evaluate", args.checkpoint, launch, model, args.tokenizer, args.run_dir, visible_gpus(),
                      external.local_world_size if external else None)
     output = os.path.abspath(os.path.expanduser(args.output)) if args.output else None
     cfg.trainer.eval = EvalConfig(tasks=[_task(t) for t in args.tasks], every_n_steps=0, limit=args.limit,
                                   num_fewshot=args.num_fewshot, batch_size=args.batch_size, output=output)
-    return cfg
+    return cfg  # limit, num_fewshot and batch_size are checked with trainer.eval's other values (config.inference)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

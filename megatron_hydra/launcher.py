@@ -533,12 +533,12 @@ def _run_in_process(cfg: RunConfig, derived: Derived) -> None:
     of ours is ``WorkerFailed``, with its traceback in ``rank0.error`` rather than on the terminal."""
     from megatron_hydra.training.worker import run_worker, write_error_file
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1")
+    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")  # for this run only: the caller's environment is given back
     clear_error_files(cfg.run_dir)
     stops = _StopRequests(in_process=True)
     try:  # a run of a checkpoint saves nothing: a signal ends it where it is
-        with stops.installed() if cfg.mode == "train" else nullcontext():
+        with _environ(rendezvous), stops.installed() if cfg.mode == "train" else nullcontext():
             run_worker(cfg, derived, local_rank=0, local_world_size=1)
     except lifecycle.StopAtOnce:
         stops.raise_if_stopped()

@@ -48,6 +48,22 @@ GPT = {
     "relative_attention_max_distance": ("77", 77, "relative_attention_max_distance"),
     "transformer_impl": ("transformer_engine", "transformer_engine", "transformer_impl"),
 }
+# The keys of today's open models (config/architecture.py), set together on a RoPE + RMSNorm GPT of
+# 4 layers on the local layers (Transformer Engine refuses most of them).
+OPEN_MODELS_BASE = ["model.position_embedding=rope", "model.normalization=rmsnorm"]
+OPEN_MODELS = {
+    "qkv_bias": ("true", True, "qkv_bias"),
+    "qk_norm": ("true", True, "qk_norm"),
+    "query_pre_attn_scalar": ("144", 1 / 12, "softmax_scale"),
+    "sliding_window": ("16", 16, "sliding_window"),
+    "sliding_window_pattern": ("2", (0, 2), "window_layers"),
+    "local_rope_theta": ("12000.0", 12000.0, "local_rope_theta"),
+    "attn_logit_softcapping": ("50.0", 50.0, "attn_logit_softcapping"),
+    "final_logit_softcapping": ("30.0", 30.0, "final_logit_softcapping"),
+    "zero_centered_gamma": ("true", True, "zero_centered_gamma"),
+    "post_sublayer_norm": ("true", True, "post_sublayer_norm"),
+    "scale_embeddings": ("true", True, "scale_embeddings"),
+}
 # Keys only a family reads (derive gives the others 0 or False).
 BERT = {"arch": ("bert", "bert", "arch"), "binary_head": ("true", True, "binary_head")}
 T5 = {"arch": ("t5", "t5", "arch"), "num_decoder_layers": ("3", 3, "num_decoder_layers"),
@@ -99,7 +115,7 @@ def _assert_arrived(obj, table: dict, defaults: dict) -> None:
 
 def test_every_model_key_has_a_place_in_the_transformer_config():
     """A key added to the schema without a way to the model fails here, not silently in training."""
-    covered = set(GPT) | set(BERT) | set(T5) | set(NOT_IN_TRANSFORMER) | {"moe"}
+    covered = set(GPT) | set(OPEN_MODELS) | set(BERT) | set(T5) | set(NOT_IN_TRANSFORMER) | {"moe", "rope_scaling"}
     assert _names(ModelConfig) == covered, f"list each new model key here: {_names(ModelConfig) ^ covered}"
     assert _names(MoEConfig) == set(MOE) | {"layer_freq"}
     assert _names(FP8Config) == set(FP8)
@@ -136,10 +152,10 @@ KEYS_WITH_CHOICES = {
     "model.moe.router", "parallel.cp_comm_type", "parallel.pipeline_schedule", "parallel.data_parallel",
     "precision.params_dtype", "precision.fp8.recipe", "precision.fp8.format", "precision.fp8.amax_compute_algo",
     "recompute.granularity", "recompute.method", "data.name", "data.tokenizer.type", "optim.name",
-    "optim.lr_schedule", "optim.impl", "trainer.accelerator", "checkpoint.resume", "mode",
+    "optim.lr_schedule", "optim.impl", "trainer.accelerator", "checkpoint.resume", "mode", "model.rope_scaling.type",
 }
 # What makes the optional nodes exist, so that their keys are checked.
-NODE_PRESETS = {"model.moe": ["model=moe_tiny"], "precision.fp8": ["precision=fp8",
+NODE_PRESETS = {"model.moe": ["model=moe_tiny"], "model.rope_scaling": ["model=llama3.1_8b"], "precision.fp8": ["precision=fp8",
                                                                   "model.transformer_impl=transformer_engine"]}
 
 
@@ -147,6 +163,18 @@ def _nested(cls, name):
     """The schema class of field ``name`` of ``cls`` (through Optional), or None."""
     hint = typing.get_type_hints(cls)[name]
     return next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
+
+
+def test_every_open_model_key_reaches_the_transformer_config():
+    tc = derive(compose_config([*OPEN_MODELS_BASE, *_overrides("model", OPEN_MODELS)])).transformer
+    _assert_arrived(tc, OPEN_MODELS, _defaults(ModelConfig))
+
+
+def test_rope_scaling_reaches_the_transformer_config():
+    """The node as a preset sets it (Llama 3.1's published values)."""
+    rs = derive(compose_config(["model=llama3.1_8b", "model.num_layers=2"])).transformer.rope_scaling
+    assert (rs.type, rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings) == \
+        ("llama3", 8.0, 1.0, 4.0, 8192)
 
 
 def _schema_choices(cls=RunConfig, prefix=""):

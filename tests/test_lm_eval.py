@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -131,7 +132,10 @@ def reference(setup):
     from lm_eval.tasks import TaskManager
 
     _, hf_dir, tasks, greedy = setup
-    lm = HFLM(pretrained=hf_dir, device="cpu", dtype="float32", batch_size=4)
+    # accelerate starts a process group of its own where a launcher's variables are set
+    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if k not in launch_vars}, clear=True):
+        lm = HFLM(pretrained=hf_dir, device="cpu", dtype="float32", batch_size=4)
     manager = TaskManager(include_path=os.path.dirname(tasks[0]), include_defaults=False)
 
     def evaluate():
