@@ -162,6 +162,16 @@ def read_metrics(run_dir: Path) -> List[Dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def assert_reloads_bitwise(original, reloaded) -> None:
+    """``reloaded`` (a model ``from_pretrained`` read back from our export) holds exactly the
+    tensors of ``original``: the same names, dtypes and bits."""
+    assert type(reloaded) is type(original)
+    theirs, ours = original.state_dict(), reloaded.state_dict()
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+
+
 def assert_same_trajectory(rows: List[Dict[str, float]], reference: List[Dict[str, float]], rel: float,
                            keys=("loss", "grad_norm")) -> None:
     """Per-step agreement of two runs' logged metrics: the same number of rows and the same steps

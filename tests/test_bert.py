@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_trajectory, launch_py, run_training
+from conftest import SMALL, assert_reloads_bitwise, assert_same_trajectory, launch_py, run_training
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.bert import NAME_MAP, hf_config, model_config
@@ -138,10 +138,7 @@ def test_cli_import_then_export_gives_back_the_tensors(arch, tmp_path):
     auto = transformers.AutoModelForPreTraining if arch == "BertForPreTraining" else transformers.AutoModelForMaskedLM
     back = auto.from_pretrained(tmp_path / "out")
     assert type(back) is cls
-    original, reloaded = hf.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(reloaded)
-    for name, tensor in original.items():
-        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
+    assert_reloads_bitwise(hf, back)
 
 
 @needs_transformers

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import compose_config, launch_py, spawn_ranks
+from conftest import assert_reloads_bitwise, compose_config, launch_py, spawn_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -183,11 +183,7 @@ def test_export_reloads_bitwise_in_transformers(models, kind, tmp_path):
     out = tmp_path / "exported"
     api.to_hf(ckpt, str(out))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    assert type(back) is type(model)
-    original, reloaded = model.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(reloaded)
-    for name, tensor in original.items():
-        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
+    assert_reloads_bitwise(model, back)
     assert os.path.isfile(out / "tokenizer.json") == (kind == "gpt2")
 
 

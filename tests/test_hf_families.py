@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import spawn_ranks
+from conftest import assert_reloads_bitwise, spawn_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -289,11 +289,7 @@ def test_export_reloads_bitwise_as_the_family(models, family, tmp_path):
     out = tmp_path / "exported"
     assert api.to_hf(ckpt, str(out))["architecture"] == family
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    assert type(back) is type(model)
-    original, reloaded = model.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(reloaded)
-    for name, tensor in original.items():
-        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
+    assert_reloads_bitwise(model, back)
     theirs, ours = model.config.to_dict(), back.config.to_dict()
     differ = {k: (theirs[k], ours.get(k)) for k in theirs if k not in NOT_COMPARED and theirs[k] != ours.get(k)}
     assert not differ

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_trajectory, run_training
+from conftest import SMALL, assert_reloads_bitwise, assert_same_trajectory, run_training
 from megatron_hydra.checkpoint.sharded import logical_shapes
 from megatron_hydra.config import RunConfig, derive
 from megatron_hydra.convert.mapping import HFWeights
@@ -84,11 +84,7 @@ def test_cli_import_then_export_gives_back_the_tensors(ffn, tied, tmp_path, caps
     assert "data=indexed_t5" in capsys.readouterr().out
     assert main(["to_hf", f"input={tmp_path / 'ckpt'}", f"output={tmp_path / 'out'}"]) == 0
     back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out")
-    assert type(back) is type(hf)
-    original, reloaded = hf.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(reloaded)
-    for name, tensor in original.items():
-        assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
+    assert_reloads_bitwise(hf, back)
 
 
 @needs_transformers

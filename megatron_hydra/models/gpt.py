@@ -102,13 +102,13 @@ class _SoftCap(torch.autograd.Function):
     """cap * tanh(logits / cap) over the head's logits, whose entries from ``first_padded`` on stay
     -inf. The head hands its logits over (nothing else reads them), so they are capped in place
     (marked dirty); the backward's factor 1 / cosh^2(logits / cap) is formed from the uncapped
-    values in at least float32 (1 - tanh^2 of a rounded tanh cancels near the cap), so the cap
-    adds one logits-sized tensor where torch's own ops would keep three."""
+    values (1 - tanh^2 of a rounded tanh cancels near the cap; cosh^-2 keeps its relative
+    precision in any dtype), so the cap adds one logits-sized tensor where torch's own ops would
+    keep three."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, cap: float, first_padded: int) -> torch.Tensor:
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        slope = torch.cosh(logits.to(wide) / cap).pow_(-2).to(logits.dtype)
+        slope = (logits / cap).cosh_().pow_(-2)  # the one extra tensor: no temporary beside it
         logits.div_(cap).tanh_().mul_(cap)
         if first_padded < logits.shape[-1]:
             logits[..., max(first_padded, 0):] = float("-inf")
