@@ -21,6 +21,7 @@ from megatron_hydra.config import architecture
 from megatron_hydra.config.inference import check_inference
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
+from megatron_hydra.config.peft import check_objective, check_peft, lora_spec
 from megatron_hydra.config.ranges import check_ranges
 from megatron_hydra.config.schema import FP8Config, ModelConfig, RunConfig
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig, by_name
@@ -523,6 +524,8 @@ def derive(cfg: RunConfig) -> Derived:
     _check_context_parallel(cfg, tp, cp)
     _check_documents(cfg)
     moe, moe_layers = moe_spec(cfg, ffn, dp, tp, cp)
+    check_peft(cfg, kv_channels, ffn, moe_layers)
+    check_objective(cfg)
     max_pos = m.max_position_embeddings or m.seq_length
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
@@ -536,7 +539,7 @@ def derive(cfg: RunConfig) -> Derived:
         )
     transformer = _transformer_config(cfg, tp, cp, num_query_groups=groups, kv_channels=kv_channels,
                                       ffn_hidden_size=ffn, max_position_embeddings=max_pos, moe=moe,
-                                      moe_layers=moe_layers)
+                                      moe_layers=moe_layers, lora=lora_spec(cfg, moe_layers))
     trainer = cfg.trainer
     split_samples = (trainer.max_steps * gbs, trainer.limit_val_batches * gbs if trainer.val_check_interval else 0, 0)
     return Derived(

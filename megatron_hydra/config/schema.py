@@ -237,7 +237,8 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     # indexed_bert, indexed_t5: indexed data as BERT / T5 samples (their presets)
-    name: str = one_of("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft")
+    # preference: DPO pairs (prompt, chosen, rejected) from a jsonl file (data/preference_dataset.py)
+    name: str = one_of("synthetic", "demo", "indexed", "indexed_bert", "indexed_t5", "sft", "preference")
     micro_batch_size: int = 4
     # Samples per optimizer step, over all data-parallel ranks. null -> micro_batch_size x dp x pp:
     # one micro-batch per data-parallel rank and pipeline stage, the smallest batch every pipeline
@@ -264,8 +265,8 @@ class DataConfig:
     short_seq_prob: float = 0.1
     whole_word_masking: bool = False
     mean_noise_span_length: float = 3.0
-    # sft: the jsonl file of conversations, and whether samples are packed into model.seq_length
-    # (data/sft_dataset.py, docs/data.md).
+    # sft / preference: the jsonl file of conversations (or preference pairs), and whether samples
+    # are packed into model.seq_length (data/sft_dataset.py, docs/data.md).
     path: Optional[str] = None
     packing: bool = True
     # Documents inside a GPT sample, from its EOD tokens (Megatron-LM's options; docs/data.md):
@@ -274,6 +275,37 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``conf/peft``, docs/finetuning.md): ``none`` trains every
+    weight; ``lora`` freezes the model and trains low-rank adapters beside chosen linear layers
+    (Hu et al. 2021), initialised as the ``peft`` library does (A Kaiming-uniform, B zero)."""
+
+    name: str = one_of("none", "lora")
+    rank: int = 16
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank (alpha / sqrt(rank): rslora)
+    dropout: float = 0.0  # on the adapter's input
+    # Our layers' names (docs/finetuning.md): qkv (q, k and v each get their own adapter), proj,
+    # and the dense MLP's fc1, gate (gated activations) and fc2. null: every one the model has.
+    target_modules: Optional[List[str]] = None
+    rslora: bool = False  # rank-stabilised scaling (Kalajdzievski 2023)
+    # An adapter checkpoint (of a run with peft=lora) to start from, on the base of checkpoint.load.
+    adapter: Optional[str] = None
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a training step minimises (``conf/objective``): ``lm``, the next-token loss of the data
+    (pre-training, SFT); ``dpo``, Direct Preference Optimization (Rafailov et al. 2023) on
+    ``data=preference``: -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))),
+    with label smoothing (conservative DPO). The reference is the starting model: the frozen base
+    with the adapters off under ``peft=lora``, else a frozen copy sharded as the policy."""
+
+    name: str = one_of("lm", "dpo")
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # the assumed chance that a pair's preference is flipped, in [0, 0.5)
 
 
 @dataclass
@@ -468,6 +500,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     # The cluster the layout planner plans for (mode=plan_layouts); null when not planning.
     cluster: Optional[ClusterConfig] = None
     # train | plan (print the per-rank memory plan, no training) | plan_layouts (rank parallel layouts

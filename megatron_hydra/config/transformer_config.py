@@ -71,6 +71,22 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """Low-rank adapters on the linear layers named by ``targets`` (``models.lora``), ``peft=lora``."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: Tuple[str, ...] = ("qkv", "proj", "fc1", "gate", "fc2")
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        """The factor on the adapter's output: alpha / rank, or alpha / sqrt(rank) (rslora)."""
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     num_layers: int  # T5: encoder layers
     hidden_size: int
@@ -134,6 +150,8 @@ class TransformerConfig:
     # Mixture of Experts: the experts of every MoE layer, and which (global) layers are MoE.
     moe: Optional[MoESpec] = None
     moe_layers: Tuple[int, ...] = ()
+    # Low-rank adapters (peft=lora): every other weight is frozen; None: no adapters.
+    lora: Optional[LoRASpec] = None
 
     def __post_init__(self):
         if self.qkv_bias is None:  # a config built by hand (tests, benchmarks) keeps one bias switch

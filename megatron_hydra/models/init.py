@@ -16,6 +16,8 @@ Box-Muller turns them into one normal, in float64, then cast to the parameter's 
 Rules: weights normal(0, init_std); projections into the residual stream (attention.proj, mlp.fc2,
 and a Mixture of Experts' expert and shared-expert fc2) normal(0, init_std / sqrt(2 * num_layers));
 biases zero; norm weights one, or zero where they scale by (1 + w) (``zero_centered_gamma``).
+LoRA adapters (``models.lora``) as ``peft`` makes them: A Kaiming-uniform (torch's default for a
+linear layer: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in the logical input width), B zero.
 Vocabulary tables draw only their ``vocab_size`` real rows; the padding rows (whose number depends
 on tp) are zero, so the real rows are the same whatever the padding.
 
@@ -82,10 +84,8 @@ def parameter_keys(seed: int, name: str) -> Sequence[int]:
     return [_fmix_int(k + i * _GOLDEN) for i in range(1, 5)]
 
 
-def normal_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int] = None) -> torch.Tensor:
-    """Standard normal values (float64) at the logical element indices ``index`` (int64 >= 0), a
-    pure function of (keys, index). ``max_index``: a bound on ``index`` known on the host (skips
-    the high-word rounds when every index fits 32 bits, without reading the tensor)."""
+def _hashes(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int]):
+    """Two independent 32-bit hashes (int64 tensors) of the logical indices ``index`` under ``keys``."""
     k0, k1, k2, k3 = keys
     h = _fmix((index & _MASK) ^ k0)
     a, b = h ^ k1, h.bitwise_xor_(k2)
@@ -95,10 +95,22 @@ def normal_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int]
         high = hi != 0
         a.bitwise_xor_(_fmix(hi ^ k3).mul_(high))
         b.bitwise_xor_(_fmix(hi.bitwise_xor_(k3 ^ k0)).mul_(high))
-    _fmix(a)
-    _fmix(b)
+    return _fmix(a), _fmix(b)
+
+
+def normal_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int] = None) -> torch.Tensor:
+    """Standard normal values (float64) at the logical element indices ``index`` (int64 >= 0), a
+    pure function of (keys, index). ``max_index``: a bound on ``index`` known on the host (skips
+    the high-word rounds when every index fits 32 bits, without reading the tensor)."""
+    a, b = _hashes(index, keys, max_index)
     radius = a.to(torch.float64).add_(0.5).mul_(2.0 ** -32).log_().mul_(-2.0).sqrt_()
     return radius.mul_(b.to(torch.float64).mul_(2.0 * math.pi * 2.0 ** -32).cos_())
+
+
+def uniform_at(index: torch.Tensor, keys: Sequence[int], max_index: Optional[int] = None) -> torch.Tensor:
+    """Uniform values in (-1, 1) (float64) at the logical element indices ``index``, as ``normal_at``."""
+    a, _ = _hashes(index, keys, max_index)
+    return a.to(torch.float64).add_(0.5).mul_(2.0 ** -31).sub_(1.0)
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -112,7 +124,10 @@ def chunk_elements(device: torch.device) -> int:
 
 
 def _rule(name: str, cfg: TransformerConfig):
-    """("zero" | "one" | "normal", std) for parameter ``name``."""
+    """("zero" | "one" | "normal" | "uniform", std) for parameter ``name`` (uniform: the bound is
+    set from the tensor's width)."""
+    if ".lora." in name:
+        return ("uniform", 0.0) if name.rpartition(".")[2].startswith("a") else ("zero", 0.0)
     if name.endswith(".bias"):
         return "zero", 0.0
     if "norm" in name:
@@ -127,10 +142,13 @@ def fill_shard(out: torch.Tensor, name: str, cfg: TransformerConfig, seed: int, 
     """Fill ``out`` with its part of logical parameter ``name``: shard ``shard`` of ``num_shards``
     equal slices along ``dim`` (None: the whole tensor), chunk by chunk on ``out``'s device."""
     kind, std = _rule(name, cfg)
-    if kind != "normal":
+    if kind in ("zero", "one"):
         out.fill_(0.0 if kind == "zero" else 1.0)
         return
     shape = list(out.shape)
+    if kind == "uniform":  # an adapter's A [rank, in]: Kaiming-uniform over the logical input width
+        std = 1.0 / math.sqrt(shape[1] * (num_shards if dim == 1 else 1))
+    draw = uniform_at if kind == "uniform" else normal_at
     flat = out.view(-1)  # contiguous: a parameter or a row range of one
     # logical index of local flat index j: j + (j // (B_loc * C)) * (B - B_loc) * C + offset * C,
     # with B_loc / B the local / logical size along ``dim`` and C the elements behind it.
@@ -153,7 +171,7 @@ def fill_shard(out: torch.Tensor, name: str, cfg: TransformerConfig, seed: int, 
         else:
             index = j.add_(base)
         last = stop - 1 + (stop - 1) // block * skip + base
-        flat[start:stop].copy_(normal_at(index, keys, max_index=last).mul_(std))
+        flat[start:stop].copy_(draw(index, keys, max_index=last).mul_(std))
 
 
 def logical_tensor(name: str, shape, cfg: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32,

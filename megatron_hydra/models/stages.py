@@ -11,6 +11,7 @@ import torch
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.init import materialize
+from megatron_hydra.models.lora import freeze_base
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.state import ParallelState
 
@@ -18,9 +19,12 @@ from megatron_hydra.parallel.state import ParallelState
 def build_model(cfg: RunConfig, derived: Derived, ps: ParallelState, device, **stage) -> torch.nn.Module:
     """The model (or one pipeline chunk: ``stage`` holds layers, pre_process, post_process),
     built on the meta device and given its storage on ``device`` shard by shard, each parameter
-    filled there from its logical name (``models.init``): no CPU copy, nothing drawn whole."""
+    filled there from its logical name (``models.init``): no CPU copy, nothing drawn whole.
+    With LoRA (``peft=lora``) everything but the adapters is frozen (``models.lora``)."""
     tcfg = derived.transformer
     model = ARCHS[tcfg.arch].build(tcfg, ps, device="meta", **stage)
+    if tcfg.lora is not None:
+        freeze_base(model)
     return materialize(model, tcfg, cfg.seed, ps.tp_rank, ps.tp_size, device)
 
 

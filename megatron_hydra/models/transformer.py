@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.models.lora import add_adapters
 from megatron_hydra.models.norms import norm_module
 from megatron_hydra.models.rope import RotaryEmbedding
 from megatron_hydra.parallel.context_parallel import context_parallel_attention
@@ -223,6 +224,8 @@ class Block(nn.Module):
             raise ValueError(f"the {backend.name} layers have no Mixture-of-Experts MLP (config.moe: local only)")
         self.mlp = backend.moe(cfg, ps, device) if moe else backend.mlp(cfg, ps, device)
         self.norm2_out = backend.norm(cfg, device) if cfg.post_sublayer_norm else None
+        if cfg.lora is not None:  # peft=lora: adapters beside the target layers (models.lora)
+            add_adapters(self, cfg, ps, device)
         mark_logical(self, backend.parameter_map(cfg))
         self.post_norm, self.cross = post_norm, cross
         self.dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel

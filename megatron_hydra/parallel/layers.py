@@ -25,6 +25,7 @@ from torch import nn
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel import mappings as M
 from megatron_hydra.parallel import host_memory
+from megatron_hydra.parallel.lora import add_adapter
 
 
 def tp_param(shape, dtype, device, partition_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
@@ -70,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
     Input is the full activation (or, with sequence parallelism, this rank's sequence slice, which
     is all-gathered first); output is this rank's slice of the features unless ``gather_output``.
     ``forward(x, input_entered=True)`` takes an input already passed through ``enter_tp_region``.
+    ``lora``: a low-rank adapter (``parallel.lora.ColumnLoRA``) added to the output slice, or None.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
@@ -81,11 +83,12 @@ class ColumnParallelLinear(nn.Module):
         local_out = _shard(out_features, C.group_size(tp_group), "out_features")
         self.weight = tp_param((local_out, in_features), dtype, device, 0)
         self.bias = tp_param((local_out,), dtype, device, 0) if bias else None
+        self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor, input_entered: bool = False) -> torch.Tensor:
         if not input_entered:
             x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = add_adapter(F.linear(x, self.weight, self.bias), self.lora, x)
         return M.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -101,7 +104,8 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split along its input columns: each rank holds a slice of x (the
     output of a column-parallel layer) and the partial products are summed over TP (or
     reduce-scattered along the sequence with sequence parallelism). The bias is added once, after
-    the reduction."""
+    the reduction. ``lora`` (``parallel.lora.RowLoRA``, or None): its partial sum joins the
+    layer's before the one reduction."""
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
                  sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None):
@@ -111,9 +115,10 @@ class RowParallelLinear(nn.Module):
         local_in = _shard(in_features, C.group_size(tp_group), "in_features")
         self.weight = tp_param((out_features, local_in), dtype, device, 1)
         self.bias = tp_param((out_features,), dtype, device, None, sequence_parallel) if bias else None
+        self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = add_adapter(F.linear(x, self.weight), self.lora, x)
         y = M.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else M.reduce_from_tp(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 
