@@ -32,7 +32,7 @@ import os
 from typing import Optional
 
 from megatron_hydra.config.derive import global_batch_size
-from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.config.schema import PACKED_DOCUMENT_DATA, RunConfig
 from megatron_hydra.errors import ConfigError
 
 AUTO = "auto"
@@ -59,7 +59,7 @@ def resolve(cfg: RunConfig, visible_gpus: int, local_ranks: Optional[int] = None
     if cfg.data.num_workers == AUTO:
         cfg.data.num_workers = GPU_LOADER_WORKERS if gpu else 0
     tok = cfg.data.tokenizer
-    if cfg.data.name == "sft" and tok.type == "hf" and not tok.path and cfg.checkpoint.load:
+    if cfg.data.name in PACKED_DOCUMENT_DATA and tok.type == "hf" and not tok.path and cfg.checkpoint.load:
         tok.path = os.path.join(cfg.checkpoint.load, "tokenizer.json")
     if cfg.data.global_batch_size is None and cfg.mode != "plan_layouts":  # the planner varies dp itself
         try:

@@ -234,6 +234,11 @@ class TokenizerConfig:
     merge_file: Optional[str] = None  # gpt2_bpe: merges.txt when not beside path (Megatron's --merge-file)
 
 
+# Data of several documents per sample, each with its own positions and attention (data=sft's
+# conversations, data=preference's answers): models read position_ids and document_ids.
+PACKED_DOCUMENT_DATA = ("sft", "preference")
+
+
 @dataclass
 class DataConfig:
     # indexed_bert, indexed_t5: indexed data as BERT / T5 samples (their presets)

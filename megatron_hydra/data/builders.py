@@ -21,6 +21,7 @@ from megatron_hydra.data.blending import BlendedDataset
 from megatron_hydra.data.gpt_dataset import GPTDataset, default_cache_dir
 from megatron_hydra.data.indexed import IndexedDataset
 from megatron_hydra.data.packed_documents import DocumentFlags
+from megatron_hydra.data.preference_dataset import tokenize_pairs
 from megatron_hydra.data.sft_dataset import build_sft_datasets, tokenize_conversations
 from megatron_hydra.data.synthetic import SyntheticDataset
 from megatron_hydra.data.token_range import token_range
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 # data.name values that read data.blend: the plain one and the BERT / T5 presets of conf/data/.
 INDEXED = ("indexed", "indexed_bert", "indexed_t5")
+# data.name values that read a jsonl file of chats (data.path): what it holds, how it is tokenized.
+CHATS = {"sft": ("conversations", "chat.jsonl", tokenize_conversations),
+         "preference": ("preference pairs", "pairs.jsonl", tokenize_pairs)}
 
 
 def parse_blend(blend: Optional[Sequence[Any]]) -> List[Tuple[float, str]]:
@@ -118,8 +122,8 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
     if data_cfg.name == "synthetic":
         return tuple(SyntheticDataset(max(n, 1), seq_length, vocab_size, seed + i) if n > 0 or i == 0 else None
                      for i, n in enumerate(num_samples))
-    if data_cfg.name == "sft":
-        return _sft_datasets(data_cfg, seq_length, seed, num_samples, vocab_size)
+    if data_cfg.name in CHATS:
+        return _chat_datasets(data_cfg, seq_length, seed, num_samples, vocab_size)
     corpora = _corpora(data_cfg)
     opened = [(w, IndexedDataset(p)) for w, p in corpora]
     cache = data_cfg.cache_dir if data_cfg.name in INDEXED else None
@@ -153,15 +157,18 @@ def build_datasets(data_cfg, *, seq_length: int, seed: int, num_samples: Tuple[i
     return out[0], out[1], out[2]
 
 
-def _sft_datasets(data_cfg, seq_length: int, seed: int, num_samples: Tuple[int, int, int], vocab_size: int):
-    """Fine-tuning conversations (``data_cfg.path``), split by conversations (``sft_dataset``)."""
+def _chat_datasets(data_cfg, seq_length: int, seed: int, num_samples: Tuple[int, int, int], vocab_size: int):
+    """Fine-tuning conversations or preference pairs (``data_cfg.path``), split by samples
+    (``sft_dataset``, ``preference_dataset``)."""
+    what, example, tokenize = CHATS[data_cfg.name]
     if not data_cfg.path:
-        raise ConfigError("data.path is not set: data=sft reads a jsonl file of conversations, e.g. data.path=chat.jsonl")
+        raise ConfigError(f"data.path is not set: data={data_cfg.name} reads a jsonl file of {what}, "
+                          f"e.g. data.path={example}")
     proportions = parse_split(data_cfg.split)
     tokenizer = build_tokenizer_for(data_cfg)
-    samples = tokenize_conversations(data_cfg.path, tokenizer, seq_length, vocab_size)
+    samples = tokenize(data_cfg.path, tokenizer, seq_length, vocab_size)
     return build_sft_datasets(samples, split_documents(len(samples), proportions), num_samples, seq_length, seed,
-                              data_cfg.packing, tokenizer.eod, data_cfg.path)
+                              data_cfg.packing, tokenizer.eod, data_cfg.path, what)
 
 
 def document_flags(data_cfg) -> Optional[DocumentFlags]:
@@ -178,9 +185,10 @@ def build_tokenizer_for(data_cfg) -> Tokenizer:
         _, tok_cfg = demo.build_demo_corpus(data_cfg.tokenizer, data_cfg.cache_dir)
         return build_tokenizer(tok_cfg)
     tok_cfg = data_cfg.tokenizer
-    if data_cfg.name == "sft" and tok_cfg.type in ("hf", "sentencepiece") and not tok_cfg.path:
-        raise DataError("data=sft: data.tokenizer.path is not set, nor checkpoint.load (whose tokenizer.json it "
-                        "would be): set data.tokenizer.path to the model's tokenizer, or data.tokenizer.type=byte")
+    if data_cfg.name in CHATS and tok_cfg.type in ("hf", "sentencepiece") and not tok_cfg.path:
+        raise DataError(f"data={data_cfg.name}: data.tokenizer.path is not set, nor checkpoint.load (whose "
+                        "tokenizer.json it would be): set data.tokenizer.path to the model's tokenizer, or "
+                        "data.tokenizer.type=byte")
     if data_cfg.name in INDEXED and tok_cfg.type == "bpe" and not tok_cfg.path:
         # preprocess saved it as OUTPUT_PREFIX_tokenizer.json beside OUTPUT_PREFIX_KEY_document.*
         prefix = parse_blend(data_cfg.blend)[0][1]

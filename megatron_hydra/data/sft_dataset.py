@@ -30,7 +30,6 @@ datasets; conversations are tokenized in memory at start-up, on every rank.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -38,11 +37,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from megatron_hydra.data.chat_template import ROLES, load_template
+from megatron_hydra.data.chat_template import load_template
+from megatron_hydra.data.conversations import check_token_ids, checked_messages, jsonl_rows, tokens_of
 from megatron_hydra.data.packing import best_fit_packs, one_per_pack
 from megatron_hydra.data.tokenizers import Tokenizer
 from megatron_hydra.errors import DataError
-from megatron_hydra.untrusted import parse_json, surrogate
 
 log = logging.getLogger(__name__)
 _FORMS = ('{"messages": [{"role": ..., "content": ...}, ...]}', '{"prompt": ..., "response": ...}')
@@ -57,39 +56,20 @@ def _messages(obj, where: str) -> List[Dict[str, str]]:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where}: 'messages' must be a non-empty list, {expected}")
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: message {j} is not {{\"role\": {'|'.join(ROLES)}, \"content\": a string}}")
+        messages = checked_messages(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: no assistant message, so nothing to learn; add one or remove the line")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        return messages
     if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+        return checked_messages([{"role": "user", "content": obj["prompt"]},
+                                 {"role": "assistant", "content": obj["response"]}], where)
     raise DataError(f"{where}: {expected}")
 
 
 def read_conversations(path: str) -> List[List[Dict[str, str]]]:
     """Every conversation of the jsonl file ``path``; a bad line is a one-line DataError naming
-    the file and line."""
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise DataError(f"data.path={path}: no such file; point it at a jsonl file of conversations")
-    out = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line:
-                continue
-            conversation = _messages(parse_json(line, where, DataError), where)
-            for j, m in enumerate(conversation):
-                why = surrogate(m["content"])
-                if why:
-                    raise DataError(f"{where}: message {j}: {why}; fix or remove the line")
-            out.append(conversation)
+    the file and line (``conversations``)."""
+    out = [_messages(obj, where) for where, obj in jsonl_rows(path, "conversations")]
     if not out:
         raise DataError(f"data.path={path}: no conversations in the file")
     return out
@@ -97,60 +77,69 @@ def read_conversations(path: str) -> List[List[Dict[str, str]]]:
 
 @dataclass
 class SFTSamples:
-    """Tokenized conversations, concatenated: sample ``i`` is ``ids[starts[i]:starts[i+1]]`` with
-    its learned flags in ``learned`` (already truncated to ``seq_length + 1`` ids)."""
+    """Tokenized documents, concatenated: document ``d`` is ``ids[starts[d]:starts[d+1]]`` with its
+    learned flags in ``learned`` (already truncated). A sample, the unit that is split, shuffled
+    and packed whole, is ``group`` consecutive documents: a conversation is one, a preference pair
+    two (chosen, then rejected), which must share a sequence."""
 
     ids: np.ndarray
     learned: np.ndarray
     starts: np.ndarray
+    group: int = 1
 
     def __len__(self) -> int:
-        return len(self.starts) - 1
+        return (len(self.starts) - 1) // self.group
 
     @property
     def positions(self) -> np.ndarray:
-        """Positions each sample occupies in a pack (its ids minus one)."""
-        return np.diff(self.starts) - 1
+        """Positions each sample occupies in a pack (each document's ids minus one, summed)."""
+        return (np.diff(self.starts) - 1).reshape(-1, self.group).sum(axis=1)
+
+    def document(self, d: int) -> Tuple[np.ndarray, np.ndarray]:
+        return self.ids[self.starts[d]:self.starts[d + 1]], self.learned[self.starts[d]:self.starts[d + 1]]
+
+    def documents(self, i: int) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """The documents of sample ``i``, in their order in the sequence."""
+        return [self.document(d) for d in range(i * self.group, (i + 1) * self.group)]
 
     def sample(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
-        return self.ids[self.starts[i]:self.starts[i + 1]], self.learned[self.starts[i]:self.starts[i + 1]]
+        """Conversation ``i`` (a sample of one document)."""
+        return self.document(i)
+
+
+def concatenate(ids: List[np.ndarray], learned: List[np.ndarray], group: int = 1) -> SFTSamples:
+    """``SFTSamples`` of the documents ``ids`` (with their flags ``learned``)."""
+    starts = np.cumsum([0] + [len(x) for x in ids]).astype(np.int64)
+    return SFTSamples(np.concatenate(ids), np.concatenate(learned), starts, group)
 
 
 def tokenize_conversations(path: str, tokenizer: Tokenizer, seq_length: int, vocab_size: int) -> SFTSamples:
     """Read, render and tokenize ``path`` (see the module docstring for truncation)."""
     template = load_template(tokenizer)
-    ids, flags, starts, dropped = [], [], [0], 0
+    ids, flags, dropped = [], [], 0
     for number, messages in enumerate(read_conversations(path), start=1):
-        try:
-            tokens, learned = template.tokens(messages)
-        except ValueError as e:
-            raise DataError(f"{path}: conversation {number}: {e}") from None
+        tokens, learned = tokens_of(template, messages, f"{path}: conversation {number}")
         tokens, learned = tokens[: seq_length + 1], learned[: seq_length + 1]
         if len(tokens) < 2 or not learned[1:].any():
             dropped += 1
             continue
         ids.append(tokens)
         flags.append(learned)
-        starts.append(starts[-1] + len(tokens))
     if dropped:
         log.warning("%s: %d conversation(s) left out: no assistant token within the first %d tokens "
                     "(raise model.seq_length to keep them)", path, dropped, seq_length + 1)
-    if len(starts) == 1:
+    if not ids:
         raise DataError(f"{path}: no conversation has an assistant token within model.seq_length={seq_length}")
-    samples = SFTSamples(np.concatenate(ids), np.concatenate(flags), np.asarray(starts, np.int64))
-    top, bottom = int(samples.ids.max()), int(samples.ids.min())
-    if bottom < 0:
-        raise DataError(f"{path}: the tokenizer (template {template.name}) produced the negative token id {bottom}; "
-                        "check data.tokenizer")
-    if top >= vocab_size:
-        raise DataError(f"{path}: token id {top} (tokenizer of {tokenizer.vocab_size} ids, template "
-                        f"{template.name}) >= the model's vocabulary size {vocab_size}; raise model.vocab_size")
+    samples = concatenate(ids, flags)
+    check_token_ids(samples.ids, path, tokenizer, template, vocab_size)
     log.info("%s: %d conversations, chat template: %s", path, len(samples), template.name)
     return samples
 
 
 class SFTDataset(Dataset):
-    """Packs of the samples ``indices`` of ``samples`` (see the module docstring). Epochs are
+    """Packs of the samples ``indices`` of ``samples`` (see the module docstring); each document of
+    a sample (two for a preference pair, ``preference_dataset``) is a document of the sequence, with
+    its own positions and ``document_ids`` value. Epochs are
     packed when first reached and only the latest few are kept (an older one is packed again when
     asked for: it is a pure function of the seed), so a run of many epochs costs neither start-up
     time nor memory; ``len`` is ``num_items``, or one epoch when that is more."""
@@ -208,32 +197,31 @@ class SFTDataset(Dataset):
         loss_mask = np.zeros(s, np.float32)
         position_ids = np.zeros(s, np.int64)
         document_ids = np.zeros(s, np.int64)
-        at = 0
-        members = self.pack(idx)
-        for doc, i in enumerate(members):
-            ids, learned = self.samples.sample(int(i))
-            n = len(ids) - 1
-            tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
-            loss_mask[at:at + n] = learned[1:]
-            position_ids[at:at + n] = np.arange(n)
-            document_ids[at:at + n] = doc
-            at += n
+        at = doc = 0
+        for i in self.pack(idx):
+            for ids, learned in self.samples.documents(int(i)):
+                n = len(ids) - 1
+                tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
+                loss_mask[at:at + n] = learned[1:]
+                position_ids[at:at + n] = np.arange(n)
+                document_ids[at:at + n] = doc
+                at, doc = at + n, doc + 1
         position_ids[at:] = np.arange(s - at)
-        document_ids[at:] = len(members)
+        document_ids[at:] = doc
         return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
                 "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.from_numpy(position_ids),
                 "document_ids": torch.from_numpy(document_ids)}
 
 
 def build_sft_datasets(samples: SFTSamples, splits: Sequence[np.ndarray], num_samples: Sequence[int],
-                       seq_length: int, seed: int, packing: bool, pad_id: int, path: str):
+                       seq_length: int, seed: int, packing: bool, pad_id: int, path: str, what: str = "conversations"):
     """Train, valid and test ``SFTDataset``s over the sample ranges ``splits`` (None where a split
-    has no samples or none are requested)."""
+    has no samples or none are requested); ``what`` names the samples in errors."""
     out = []
     for s, (n, part) in enumerate(zip(num_samples, splits)):
         if s == 0 and not len(part):
-            raise DataError(f"{path}: the train split is empty ({len(samples)} usable conversations); "
-                            f"give it a share in data.split or add conversations")
+            raise DataError(f"{path}: the train split is empty ({len(samples)} usable {what}); "
+                            f"give it a share in data.split or add {what}")
         out.append(SFTDataset(samples, part, n, seq_length, seed, packing, pad_id, s)
                    if len(part) and (n > 0 or s == 0) else None)
     return tuple(out)
