@@ -23,7 +23,7 @@ from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
 from megatron_hydra.config.peft import check_objective, check_peft, lora_spec
 from megatron_hydra.config.ranges import check_ranges
-from megatron_hydra.config.schema import FP8Config, ModelConfig, RunConfig
+from megatron_hydra.config.schema import PACKED_DOCUMENT_DATA, FP8Config, ModelConfig, RunConfig
 from megatron_hydra.config.transformer_config import FP8Recipe, TransformerConfig, by_name
 from megatron_hydra.errors import ConfigError
 
@@ -404,10 +404,10 @@ DOCUMENT_KEYS = ("data.eod_mask_loss", "data.reset_position_ids", "data.reset_at
 def _check_documents(cfg: RunConfig) -> None:
     """The EOD options (``data.packed_documents``) need samples with EOD tokens (GPT samples of
     demo or indexed data); reset positions and document masks reach the local attention only
-    (``models.te_layers`` takes neither), and packed fine-tuning data (``data=sft``) always
+    (``models.te_layers`` takes neither), and packed fine-tuning data (``data=sft|preference``) always
     carries both."""
-    if cfg.data.name == "sft" and cfg.model.transformer_impl != "local":
-        raise ConfigError("data=sft packs conversations with per-conversation positions and attention masks, which "
+    if cfg.data.name in PACKED_DOCUMENT_DATA and cfg.model.transformer_impl != "local":
+        raise ConfigError(f"data={cfg.data.name} packs documents with their own positions and attention masks, which "
                           "run in the local attention only: set model.transformer_impl=local (checkpoints load "
                           "under either)")
     on = [key for key in DOCUMENT_KEYS if _get(cfg, key)]
