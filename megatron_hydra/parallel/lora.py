@@ -25,6 +25,7 @@ Adapters hold their parameters tagged like the layers' (``tp_partition_dim``) an
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -80,11 +81,14 @@ class ColumnLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's share of the layer's output slice, from the layer's entered input."""
         pairs = self.pairs()
-        x = dropout(x, self.p_dropout, self.training, sharded=False)  # x is the same on every TP rank
+        drop = partial(dropout, p=self.p_dropout, training=self.training, sharded=False)  # x: the same on every TP rank
         if len(pairs) == 1:
             a, b = pairs[0]
-            return F.linear(F.linear(x, a), b) * self.scale
-        h = F.linear(x, torch.cat([a for a, _ in pairs]))  # every segment's A x in one matmul
+            return F.linear(F.linear(drop(x), a), b) * self.scale
+        if self.training and self.p_dropout > 0:  # each projection its own mask, as peft's q, k, v adapters
+            h = torch.cat([F.linear(drop(x), a) for a, _ in pairs], dim=-1)
+        else:
+            h = F.linear(x, torch.cat([a for a, _ in pairs]))  # every segment's A x in one matmul
         lead = h.shape[:-1]
         outs = [F.linear(h[..., i * self.rank:(i + 1) * self.rank], b).view(*lead, self.local_groups, rows)
                 for i, ((_, b), rows) in enumerate(zip(pairs, self.rows))]
