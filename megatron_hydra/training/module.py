@@ -29,6 +29,11 @@ step (``parallel.optimizer``).
 With pipeline parallelism (pp > 1) ``self.model`` is a ``ModuleList`` of this rank's model chunks
 (one per virtual stage it holds, each a ``GPTModel`` keyed by logical layer names) and the
 micro-batches run through the pipeline schedule (``parallel.pipeline``) instead of the loop.
+
+With ``objective=dpo`` (``training.dpo``) the module also holds the DPO loss and the reference
+model (``reference``, outside ``self.model``: never in the optimizer or a checkpoint); a batch
+gains its rows' reference sums before the micro-batches run (``with_reference``), in training and
+validation alike, and the logged steps add the rewards' metrics.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from megatron_hydra.parallel.pipeline import Pipeline
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.planning.peak import device_peak_tflops
+from megatron_hydra.training.dpo import METRICS as DPO_METRICS
+from megatron_hydra.training.dpo import REFERENCE, DPOLoss, Reference
 from megatron_hydra.training.guard import FiniteGuard
 from megatron_hydra.training.memory_peak import peak_memory_bytes, reset_peak_memory
 from megatron_hydra.training.precision import DynamicLossScaler
@@ -116,6 +123,13 @@ class LMModule(pl.LightningModule):
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if tcfg.params_dtype == torch.float16 else None
         # Losses are summed in fp32 even when the model runs in 16 bits.
         self.loss_dtype = torch.float64 if tcfg.params_dtype == torch.float64 else torch.float32
+        # objective=dpo (``training.dpo``): its loss and the reference model; None for the lm objective.
+        self.dpo: Optional[DPOLoss] = None
+        self.reference: Optional[Reference] = None
+        if cfg.objective.name == "dpo":
+            o = cfg.objective
+            self.dpo = DPOLoss(o.beta, o.label_smoothing, tcfg.seq_length, ps.cp_group)
+            self.reference = Reference(self, device)
 
     @property
     def moe_layers(self) -> list:
@@ -135,22 +149,42 @@ class LMModule(pl.LightningModule):
         loss = ARCHS[self.derived.transformer.arch].loss
         return loss(output, loss_mask) if self.ps.cp_size == 1 else loss(output, loss_mask, self.ps.cp_group)
 
+    def model_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The batch fields the model reads besides tokens (``models.archs``), labels included."""
+        return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k in batch}
+
     def microbatch_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean loss over the micro-batch's unmasked tokens (``models.archs``: per model family)."""
-        arch = ARCHS[self.derived.transformer.arch]
-        return self._loss(self.model(batch["tokens"], **{k: batch[k] for k in arch.inputs if k in batch}),
-                          batch["loss_mask"])
+        """The micro-batch's loss: the mean over its unmasked tokens (``models.archs``: per model
+        family), or with ``objective=dpo`` over its pairs (the batch carries the rows' reference sums)."""
+        output = self.model(batch["tokens"], **self.model_inputs(batch))
+        if self.dpo is not None:
+            return self.dpo(output, batch["loss_mask"], batch["document_ids"], batch[REFERENCE])
+        return self._loss(output, batch["loss_mask"])
+
+    def with_reference(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``objective=dpo``: the batch with its rows' reference document sums (the reference
+        model's forward-only pass, ``training.dpo``); the batch itself otherwise."""
+        return batch if self.reference is None else {**batch, REFERENCE: self.reference(batch)}
 
     def stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The batch fields besides tokens, labels and loss mask that every pipeline stage reads."""
         return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels" and k in batch}
+
+    def pipeline_target(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the pipeline schedule cuts into micro-batches for the last stage's loss function
+        (``_pipeline_loss``): the loss mask; with ``objective=dpo`` the loss mask, document ids and
+        reference sums side by side (the schedule splits the target along rows alone)."""
+        if self.dpo is None:
+            return batch["loss_mask"]
+        parts = (batch["loss_mask"], batch["document_ids"], batch[REFERENCE])
+        return torch.cat([t.to(self.loss_dtype) for t in parts], dim=1)
 
     @property
     def pipeline(self) -> Pipeline:
         """Built on first use, once Lightning has moved the chunks to their device."""
         if self._pipeline is None:
             self._pipeline = Pipeline(list(self.model), self._stages, self.ps, self.cfg.parallel.pipeline_schedule,
-                                      self.derived.num_microbatches, self._scaled_masked_mean, self.home_device,
+                                      self.derived.num_microbatches, self._pipeline_loss, self.home_device,
                                       stage_io=self._stage_io)
         return self._pipeline
 
@@ -168,9 +202,13 @@ class LMModule(pl.LightningModule):
         last = len(self.derived.layers_per_stage) - 1
         return (tokens if stage == 0 else hidden), (loss if stage == last else hidden)
 
-    def _scaled_masked_mean(self, per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """The pipeline's loss function: the micro-batch loss times the loss scale (1 unless fp16)."""
-        return self._loss(per_token_loss, loss_mask) * self.loss_scale
+    def _pipeline_loss(self, per_token_loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss function: the micro-batch loss (of ``pipeline_target``'s target)
+        times the loss scale (1 unless fp16)."""
+        if self.dpo is None:
+            return self._loss(per_token_loss, target) * self.loss_scale
+        s = per_token_loss.shape[1]
+        return self.dpo(per_token_loss, target[:, :s], target[:, s:2 * s], target[:, 2 * s:]) * self.loss_scale
 
     # Training --------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -209,9 +247,11 @@ class LMModule(pl.LightningModule):
         if grad_norm is not None:
             read.append(grad_norm.detach().to(loss.device, torch.float64).reshape(()))
         moe = self._moe_metrics(loss.device)
+        dpo = self.dpo.metrics(self.ps, loss.device) if self.dpo is not None else []
         peak = self._peak_memory(loss.device)
-        values = torch.stack(read + moe + peak).tolist()  # the host read of this logging step
+        values = torch.stack(read + moe + dpo + peak).tolist()  # the host read of this logging step
         moe_values = values[len(read):len(read) + len(moe)]
+        dpo_values = values[len(read) + len(moe):len(read) + len(moe) + len(dpo)]
         # Wall time since the window began: data loading, Lightning's loop, logging and saves
         # included, so tokens/s is what the whole run achieves, not just the model's math.
         now = time.perf_counter()
@@ -227,6 +267,7 @@ class LMModule(pl.LightningModule):
             metrics.update(moe_aux_loss=moe_values[0], moe_load_imbalance=moe_values[1])
             if self.derived.transformer.moe.capacity_factor is not None:
                 metrics["moe_dropped_fraction"] = moe_values[2]
+        metrics.update(zip(DPO_METRICS, dpo_values))
         if peak:
             metrics["peak_memory_gib"] = values[-1] / 2**30
         if self.peak_tflops is not None:
@@ -297,9 +338,12 @@ class LMModule(pl.LightningModule):
         self._val_losses = []
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self.dpo is not None:
+            self.dpo.stats = None  # the rewards logged are the training step's
+        batch = self.with_reference(batch)
         if self.derived.pp > 1:
-            loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
-                                               **self.stage_inputs(batch)) / self.loss_scale
+            loss = self.pipeline.eval_step(batch["tokens"], batch["labels"], self.pipeline_target(batch),
+                                           **self.stage_inputs(batch)) / self.loss_scale
         else:
             micro = split_microbatches(batch, self.derived.num_microbatches)
             loss = torch.stack([self.microbatch_loss(mb) for mb in micro]).mean()
@@ -310,7 +354,8 @@ class LMModule(pl.LightningModule):
         if self._val_losses:
             loss = torch.stack(self._val_losses).mean()
             self.log("val_loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
-            self.log("val_ppl", loss.exp(), rank_zero_only=True, batch_size=1)
+            if self.dpo is None:  # a DPO loss is no token loss: no perplexity
+                self.log("val_ppl", loss.exp(), rank_zero_only=True, batch_size=1)
 
     def configure_optimizers(self):
         return self.build_optimizer(self.trainer.strategy.grad_buffer)

@@ -6,6 +6,8 @@ Everything between two optimizer steps happens here, in this order, and nowhere 
    FSDP, drop each chunk's sharded grads (the next reduce-scatter assigns new ones);
 2. scale the MoE routers' losses as the main loss is scaled (loss scale, context-parallel share,
    micro-batch count);
+   with ``objective=dpo``, the reference model's forward-only pass over the whole batch
+   (``training.dpo``): each row's reference document sums, carried with the micro-batches;
 3. forward and backward over this rank's share of the global batch:
    - pp = 1: micro-batch by micro-batch, the loss times ``loss_scale / num_microbatches``; the
      data-parallel reduce stays off until the last micro-batch's backward, whose finished buckets
@@ -101,6 +103,9 @@ class TrainStep:
         m = self.module
         self.zero_grad()
         self._scale_aux_losses()
+        if m.dpo is not None:  # the reference model's pass first; the step's reward sums start at zero
+            batch = m.with_reference(batch)
+            m.dpo.start_step(m.loss_dtype, m.home_device)
         loss = self._pipeline(batch) if m.derived.pp > 1 else self._accumulate(batch)
         if self.buffer is not None:  # FSDP finished its reduce-scatters at the end of backward
             self.buffer.finish()
@@ -179,7 +184,7 @@ class TrainStep:
         tied embedding's sum, all before the data-parallel reduce starts."""
         m = self.module
         with self.no_sync():
-            loss = m.pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
+            loss = m.pipeline.train_step(batch["tokens"], batch["labels"], m.pipeline_target(batch),
                                          **m.stage_inputs(batch)) / m.loss_scale
             fsdp.finish_backward(self.chunks)  # FSDP chunks: reduce-scatter the accumulated grads now
             self._average_microbatches()
