@@ -2,6 +2,8 @@
 ``python -m megatron_hydra.evaluate checkpoint=CKPT tasks=[hellaswag,path/to/task.yaml] ...``
 
     checkpoint=PATH            a checkpoint directory (training's step_NNNNNNN, or an import)
+    peft.adapter=PATH          LoRA adapters trained on that checkpoint (their rank, alpha and
+                               targets are read from them)
     tasks=[...]                lm-eval task names, or paths of local task YAML files (a task over
                                local data needs no network: docs/evaluation.md)
     output=DIR                 where lm-eval's results JSON goes (default <run_dir>/eval)

@@ -1,6 +1,8 @@
 """Text from a checkpoint, at any layout: ``python -m megatron_hydra.generate checkpoint=CKPT prompt="def main(" ...``
 
     checkpoint=PATH            a checkpoint directory (training's step_NNNNNNN, or an import)
+    peft.adapter=PATH          LoRA adapters trained on that checkpoint (their rank, alpha and
+                               targets are read from them)
     prompt="..."               the text to continue (empty: start from end-of-document)
     prompts=["...","..."]      several prompts, batched (each printed with its continuation, in order)
     max_new_tokens=64          stop after this many tokens, or earlier at end-of-document

@@ -20,6 +20,12 @@ Two tensors need care:
   alike: no token and no gradient ever reaches them).
 - The last pipeline stage's copy of the tied embedding (``shared_embedding_copy``) has the same
   logical name as the first stage's: it is saved once (from the first stage) and loaded into both.
+
+A model with LoRA adapters keeps its frozen base and its adapters in different checkpoints
+(``checkpoint.selection``): ``select`` picks the part a function handles (``None`` everything,
+``"adapters"``, ``"base"`` with the persistent buffers). A load with a selector reads that part
+of the checkpoint and ignores the rest, so one model loads its base from one checkpoint and its
+adapters from another.
 """
 
 from __future__ import annotations
@@ -39,11 +45,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_hydra.checkpoint import rng, store
 from megatron_hydra.checkpoint.chunks import Chunks, Placement, SavePlanner
 from megatron_hydra.checkpoint.safe_reader import dcp_failure, read_metadata, safe_load
+# check_shapes: also sharded's, for the callers that check a checkpoint before loading it
+from megatron_hydra.checkpoint.selection import (check_select, check_shapes, extra_tensors,  # noqa: F401
+                                                 select_names)
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.models.backends import logical_parameters
 from megatron_hydra.models.init import VOCAB_TABLES
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.fsdp import is_sharded, local_rows
+from megatron_hydra.parallel.lora import is_adapter
 from megatron_hydra.parallel.optimizer import StatePiece
 from megatron_hydra.parallel.state import ParallelState
 
@@ -78,20 +88,25 @@ class Entry:
         return getattr(self.owner, "expert_parallel", False)
 
 
-def entries(model: torch.nn.Module) -> List[Entry]:
+def entries(model: torch.nn.Module, select: Optional[str] = None) -> List[Entry]:
     """This rank's parameters under their logical names, whichever implementation holds them
-    (``models.backends.logical_parameters``). ``model`` is a ``GPTModel`` or, under pipeline
-    parallelism, a ``ModuleList`` of them (one per virtual stage): each chunk's names are already
-    logical, so the chunk index is simply dropped."""
+    (``models.backends.logical_parameters``), those of the part ``select`` names. ``model`` is a
+    ``GPTModel`` or, under pipeline parallelism, a ``ModuleList`` of them (one per virtual stage):
+    each chunk's names are already logical, so the chunk index is simply dropped."""
+    check_select(select)
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
     return [Entry(lp.name, lp.tensor, lp.tp_dim, lp.name in VOCAB_TABLES,
                   getattr(lp.param, "shared_embedding_copy", False), lp.param, lp.rows)
-            for chunk in chunks for lp in logical_parameters(chunk)]
+            for chunk in chunks for lp in logical_parameters(chunk)
+            if select is None or (select == "adapters") == is_adapter(lp.param)]
 
 
-def persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def persistent_buffers(model: torch.nn.Module, select: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The model's state that is not a parameter but must survive a restart (an MoE router's
-    selection bias), by logical name; replicated over every rank that holds it."""
+    selection bias), by logical name; replicated over every rank that holds it. Part of the base:
+    adapters have none."""
+    if select == "adapters":
+        return {}
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
     out = {}
     for chunk in chunks:
@@ -111,8 +126,9 @@ def logical_shape(e: Entry, tp_size: int, vocab_size: int) -> List[int]:
     return shape
 
 
-def logical_shapes(model: torch.nn.Module, tp_size: int, vocab_size: int) -> Dict[str, List[int]]:
-    return {e.name: logical_shape(e, tp_size, vocab_size) for e in entries(model)}
+def logical_shapes(model: torch.nn.Module, tp_size: int, vocab_size: int,
+                   select: Optional[str] = None) -> Dict[str, List[int]]:
+    return {e.name: logical_shape(e, tp_size, vocab_size) for e in entries(model, select)}
 
 
 def placement(e: Entry, ps: ParallelState, vocab_size: int) -> Placement:
@@ -191,9 +207,10 @@ def _key(name: str, key: str) -> str:
     return f"main/{name}" if key == "main" else f"optim/{name}/{key}"
 
 
-def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
-    """What this rank contributes to a checkpoint: DCP-ready, keyed by logical name. Every value is
-    a view of this rank's own storage (``Chunks`` of its TP shard, or of its optimizer pieces), so
+def state_dict(model, optimizer, ps: ParallelState, vocab_size: int, select: Optional[str] = None) -> dict:
+    """What this rank contributes to a checkpoint (of the part ``select`` names, with the optimizer
+    state of that part): DCP-ready, keyed by logical name. Every value is a view of this rank's own
+    storage (``Chunks`` of its TP shard, or of its optimizer pieces), so
     building it allocates nothing. The data-parallel replicas of a weight (and of its optimizer
     state, without the distributed optimizer) split its writing: each writes 1/dp of it
     (``_written_range``), so every rank writes about as much, and an
@@ -201,7 +218,7 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
     which DCP's deduplication writes once."""
     sd = {}
     pieces = _pieces_by_owner(optimizer, _default_step_dtype()) if optimizer is not None else {}
-    for e in entries(model):
+    for e in entries(model, select):
         if e.copy:
             continue
         place = placement(e, ps, vocab_size)
@@ -221,7 +238,7 @@ def state_dict(model, optimizer, ps: ParallelState, vocab_size: int) -> dict:
             parts = [_piece_chunks(e, place, piece, key, within) for piece in owned if key in piece.tensors]
             if parts:
                 sd[_key(e.name, key)] = Chunks(place.logical, [c for part in parts for c in part.parts])
-    for name, buf in persistent_buffers(model).items():  # identical on every holder: DCP writes it once
+    for name, buf in persistent_buffers(model, select).items():  # the same on every holder: DCP writes it once
         sd[f"buffer/{name}"] = buf
     return sd
 
@@ -286,12 +303,13 @@ class Snapshot:
 
 
 def snapshot(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True,
-             stage: Optional[Callable[[dict], dict]] = None) -> Snapshot:
+             stage: Optional[Callable[[dict], dict]] = None, select: Optional[str] = None) -> Snapshot:
     """What this rank saves into ``final``, as of now (collective when TP gathers a vocabulary
-    table). ``stage`` copies the state dict to host memory (``async_save.HostStager``) so that
-    training may go on changing the parameters while ``write`` runs; without it the snapshot
-    holds views of the live tensors and must be written before the next step."""
-    sd = state_dict(model, optimizer, ps, vocab_size)
+    table): the part of the model ``select`` names. ``stage`` copies the state dict to host memory
+    (``async_save.HostStager``) so that training may go on changing the parameters while
+    ``write`` runs; without it the snapshot holds views of the live tensors and must be written
+    before the next step."""
+    sd = state_dict(model, optimizer, ps, vocab_size, select)
     if stage is not None:
         sd = stage(sd)
     return Snapshot(final, sd, {**meta, "has_optimizer": optimizer is not None},
@@ -352,58 +370,30 @@ def save_failed(final: str, error: BaseException) -> CheckpointError:
     return CheckpointError(f"saving {final} failed ({why}): {fix}the older checkpoints are kept")
 
 
-def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True) -> None:
+def save(final: str, model, optimizer, ps: ParallelState, vocab_size: int, meta: dict, rng_states: bool = True,
+         select: Optional[str] = None) -> None:
     """Write the checkpoint ``final`` now (collective: every rank calls it). ``optimizer=None``
     saves the model only; ``rng_states=False`` leaves out the ranks' random states (a model
-    written outside a run). ``meta`` (JSON-able) is stored as ``meta.json`` by rank 0, with the
-    checksums of every file. The same two steps as a background save, on this thread."""
-    write(snapshot(final, model, optimizer, ps, vocab_size, meta, rng_states))
+    written outside a run); ``select``: the part of the model saved. ``meta`` (JSON-able) is
+    stored as ``meta.json`` by rank 0, with the checksums of every file. The same two steps as a
+    background save, on this thread."""
+    write(snapshot(final, model, optimizer, ps, vocab_size, meta, rng_states, select=select))
 
 
 # Load ------------------------------------------------------------------------------------------
-def _layers(names) -> int:
-    return len({name.split(".")[1] for name in names if name.startswith("layers.")})
-
-
-def _extra_tensors(path: str, extra: List[str], saved, expected) -> CheckpointError:
-    counts = (f" ({_layers(saved)} layers there, {_layers(expected)} in this model)"
-              if _layers(saved) != _layers(expected) else "")
-    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-    return CheckpointError(f"checkpoint {path} has tensor {extra[0]}{more} that this model lacks{counts}: it was "
-                           "saved from another model; load it with the model config it was saved with")
-
-
-def check_shapes(path: str, saved: Dict[str, List[int]], expected: Dict[str, List[int]], has_optimizer: bool,
-                 load_optimizer: bool, whole: bool = True) -> None:
-    """A one-line ``CheckpointError`` for the first tensor the checkpoint lacks or has another
-    shape, and (``whole``: ``expected`` is the whole model, not one rank's part) for saved tensors
-    this model lacks: a checkpoint with more layers never loads into a smaller model."""
-    for name, shape in expected.items():
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model; "
-                                  "load a checkpoint of this model config")
-        if list(saved[name]) != list(shape):
-            raise CheckpointError(f"checkpoint {path}: tensor {name} has shape {list(saved[name])} there but "
-                                  f"{list(shape)} in this model: use the model config it was saved with")
-    extra = sorted(set(saved) - set(expected)) if whole else []
-    if extra:
-        raise _extra_tensors(path, extra, saved, expected)
-    if load_optimizer and not has_optimizer:
-        raise CheckpointError(f"checkpoint {path} has no optimizer state: set checkpoint.load_optimizer=false to "
-                              "load the model only")
-
-
-def check_consumed(path: str, saved: Dict[str, List[int]], local: Dict[str, List[int]], device: torch.device) -> None:
-    """Every saved model tensor is loaded by some rank (collective): each rank marks the names its
-    part of the model takes, and one all-reduce over a flag per name finds those nobody takes."""
-    names = sorted(saved)
+def check_consumed(path: str, saved: Dict[str, List[int]], local: Dict[str, List[int]], device: torch.device,
+                   select: Optional[str] = None) -> None:
+    """Every saved model tensor (of the part ``select`` names) is loaded by some rank
+    (collective): each rank marks the names its part of the model takes, and one all-reduce over
+    a flag per name finds those nobody takes."""
+    names = sorted(select_names(saved, select))
     taken = torch.tensor([float(n in local) for n in names], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(taken, op=dist.ReduceOp.MAX)
     extra = [n for n, t in zip(names, taken.tolist()) if not t]
     if extra:
         taken_names = [n for n, t in zip(names, taken.tolist()) if t]
-        raise _extra_tensors(path, extra, saved, taken_names)
+        raise extra_tensors(path, extra, saved, taken_names, select=select)
 
 
 def verify(path: str, device: torch.device) -> None:
@@ -462,29 +452,32 @@ def piece_views(e: Entry, piece: StatePiece, name: str) -> List[torch.Tensor]:
     return [piece.tensors[name][lo - piece.lo:hi - piece.lo]] if lo < hi else []
 
 
-def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_optimizer: bool = True) -> None:
+def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_optimizer: bool = True,
+         select: Optional[str] = None, key: Optional[str] = None) -> None:
     """Fill this rank's parameters (and AdamW state unless ``load_optimizer`` is false) from the
     checkpoint at ``path``, whatever layout wrote it (collective: every rank calls it). The files
     are verified against their checksums first, and the saved model tensors must match this
     model's one for one (``load_optimizer=false`` skips the optimizer state, never a layer).
-    DCP reads straight into this rank's tensors: only the saved chunks that overlap them are read,
-    one at a time."""
+    ``select`` loads one part of the model (the rest is left as it is) from the same part of the
+    checkpoint; ``key`` names the setting that gave ``path`` in errors. DCP reads straight into
+    this rank's tensors: only the saved chunks that overlap them are read, one at a time."""
     device = next(iter(model.parameters())).device
     verify(path, device)
     metadata = read_metadata(path).state_dict_metadata
     saved = {k[len("model/"):]: list(v.size) for k, v in metadata.items() if k.startswith("model/")}
     has_optimizer = any(k.startswith("optim/") for k in metadata)
-    local = entries(model)
+    local = entries(model, select)
     expected = {e.name: logical_shape(e, ps.tp_size, vocab_size) for e in local}
     try:  # this rank's part against the checkpoint; the ranks agree before any collective read
-        check_shapes(path, saved, expected, has_optimizer, load_optimizer and optimizer is not None, whole=False)
+        check_shapes(path, saved, expected, has_optimizer, load_optimizer and optimizer is not None, whole=False,
+                     select=select, key=key)
         problem = None
     except CheckpointError as e:
         problem = str(e)
     problem = _first_problem(problem, device)
     if problem is not None:
         raise CheckpointError(problem)
-    check_consumed(path, saved, expected, device)
+    check_consumed(path, saved, expected, device, select)
     if optimizer is not None and hasattr(optimizer, "finish_param_gather"):
         optimizer.finish_param_gather()
     loader = _Loader(ps, vocab_size)
@@ -516,7 +509,7 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
                     loader.add_pieces(_key(e.name, key), e, owned, key)
                 else:  # fp32 main weights of a checkpoint saved without them: the saved weights
                     mains.add_pieces(f"model/{e.name}", e, owned, key)
-    for name, buf in persistent_buffers(model).items():
+    for name, buf in persistent_buffers(model, select).items():
         if f"buffer/{name}" in metadata:  # absent from checkpoints of models without it: stays as built
             loader.sd[f"buffer/{name}"] = buf
     safe_load(loader.sd, path)

@@ -9,6 +9,9 @@ That config is data from elsewhere: it may describe a model of terabytes. So not
 before the checkpoint is shown to hold that model (``check_before_building``): its layer count,
 its tensors' names and shapes on the meta device, and the bytes its tensor files hold.
 
+A LoRA model is a base checkpoint plus an adapter checkpoint (``checkpoint.adapters``): the
+adapters' own config gives their rank, targets and scale, so a caller names the two paths only.
+
 A conversion needs the tensors but never the model: ``save_tensors`` writes logical tensors made
 one at a time (``lazy_write``), and ``read_tensors`` reads them back a few at a time, so neither
 holds more than a small part of the model.
@@ -26,9 +29,10 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_hydra.checkpoint import lazy_write, plan, sharded, store
+from megatron_hydra.checkpoint import adapters, lazy_write, plan, sharded, store
 from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.checkpoint.safe_reader import read_metadata, safe_load
+from megatron_hydra.checkpoint.selection import check_shapes, select_names
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.schema import ParallelConfig
@@ -68,30 +72,40 @@ def single_process(cfg: RunConfig, seq_length: Optional[int] = None) -> Tuple[Ru
     return cfg, derive(cfg)
 
 
-def checked_config(path: str, seq_length: Optional[int] = None,
-                   archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived]:
+def checked_config(path: str, seq_length: Optional[int] = None, archs: Tuple[str, ...] = ("gpt",),
+                   adapter: Optional[str] = None) -> Tuple[RunConfig, Derived]:
     """The config of the checkpoint at ``path`` for one process, once the checkpoint is shown to
     hold that model (``check_before_building``); its ``model.arch`` must be one of ``archs`` (the
-    families the caller handles: generation takes GPT only)."""
+    families the caller handles: generation takes GPT only). With ``adapter`` (an adapter
+    checkpoint trained on that model) the config has its peft settings and both are checked."""
+    adapters.refuse_adapter_only(path, "checkpoint.load", store.validate(path))
     cfg = read_config(path)
     if cfg.model.arch not in archs:
         raise CheckpointError(f"{path} holds a model.arch={cfg.model.arch} model: only "
                               f"{' and '.join(a.upper() for a in archs)} checkpoints load whole here")
+    if adapter is not None:
+        cfg = adapters.adopt(cfg, adapter)
     cfg, derived = single_process(cfg, seq_length)
-    check_before_building(path, derived)
+    check_before_building(path, derived, select="base" if adapter is not None else None)
+    if adapter is not None:
+        check_before_building(cfg.peft.adapter, derived, select="adapters", key="peft.adapter")
     return cfg, derived
 
 
 @torch.no_grad()
-def load_model(path: str, seq_length: Optional[int] = None,
-               archs: Tuple[str, ...] = ("gpt",)) -> Tuple[RunConfig, Derived, torch.nn.Module]:
+def load_model(path: str, seq_length: Optional[int] = None, archs: Tuple[str, ...] = ("gpt",),
+               adapter: Optional[str] = None) -> Tuple[RunConfig, Derived, torch.nn.Module]:
     """The model saved at ``path``, whole, in this process, in eval mode; its ``model.arch`` must
-    be one of ``archs``."""
-    cfg, derived = checked_config(path, seq_length, archs)
+    be one of ``archs``. ``adapter``: LoRA adapters trained on it, loaded beside it (not merged)."""
+    cfg, derived = checked_config(path, seq_length, archs, adapter)
     ps = ParallelState.single()
     model = ARCHS[cfg.model.arch].build(derived.transformer, ps)
     with _one_process():
-        sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False)
+        sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False,
+                     select="base" if adapter is not None else None)
+        if adapter is not None:
+            sharded.load(cfg.peft.adapter, model, None, ps, derived.transformer.vocab_size, load_optimizer=False,
+                         select="adapters", key="peft.adapter")
     return cfg, derived, model.eval()
 
 
@@ -125,19 +139,22 @@ def _stored(path: str, metadata, key: str) -> Optional[Tuple[List[int], torch.dt
     return list(size), dtype
 
 
-def check_before_building(path: str, derived: Derived) -> None:
-    """That the checkpoint at ``path`` holds the model ``derived`` describes, before a byte of it
-    is allocated (one line otherwise): the layers the config asks for are in meta.json's shapes
-    (building even on the meta device takes time per layer), the model built on the meta device
-    has those names and shapes, and the tensor files DCP reads hold at least their bytes."""
+def check_before_building(path: str, derived: Derived, select: Optional[str] = None,
+                          key: Optional[str] = None) -> None:
+    """That the checkpoint at ``path`` holds the model ``derived`` describes (the part ``select``
+    names; ``key``: the setting that gave ``path``), before a byte of it is allocated (one line
+    otherwise): the layers the config asks for are in meta.json's shapes (building even on the
+    meta device takes time per layer), the model built on the meta device has those names and
+    shapes, and the tensor files DCP reads hold at least their bytes."""
     tcfg = derived.transformer
     wanted = tcfg.num_layers + ((getattr(tcfg, "num_decoder_layers", 0) or 0) if tcfg.arch == "t5" else 0)
-    recorded: Dict[str, List[int]] = store.read_meta(path)["shapes"]
-    if wanted > _stacked_layers(recorded):
+    recorded: Dict[str, List[int]] = select_names(store.read_meta(path, key=key or "checkpoint.load")["shapes"],
+                                                  select)
+    if select != "adapters" and wanted > _stacked_layers(recorded):  # adapters: the base was checked
         raise CheckpointError(f"{path}: its config describes {wanted} layers but its tensors hold "
                               f"{_stacked_layers(recorded)}: the checkpoint is damaged or crafted; refused")
-    expected = plan.logical_shapes(derived)
-    sharded.check_shapes(path, recorded, expected, True, False)
+    expected = plan.logical_shapes(derived, select)
+    check_shapes(path, recorded, expected, True, False, select=select, key=key)
     metadata = read_metadata(path)
     # Each tensor in the dtype it was saved in (an import keeps its source's), which loading casts.
     needed = sum(math.prod(shape) * (_stored(path, metadata, f"model/{name}") or ([], tcfg.params_dtype))[1].itemsize

@@ -4,7 +4,9 @@ A checkpoint is a directory ``<dir>/step_NNNNNNN`` holding
 
 - the tensors, written by ``torch.distributed.checkpoint`` (``.metadata`` + ``__*.distcp`` files),
 - ``meta.json``: step, consumed samples, the layout that wrote it, logical tensor shapes, the
-  resolved config, and the size and SHA-256 of every other file (``checksums``),
+  resolved config, and the size and SHA-256 of every other file (``checksums``); ``adapter_only``
+  when it holds a LoRA run's adapters alone (``checkpoint.selection``), whose base is another
+  checkpoint,
 - ``rng/rank_NNNNN.pt``: each rank's random generator states (tensors and numbers only),
 - ``COMPLETE``: the marker, written last.
 
@@ -115,33 +117,39 @@ def check_no_links(root: str) -> None:
                                   "it points to, give checkpoint.load=<that directory>)")
 
 
-def validate(path: str) -> dict:
-    """The metadata of the checkpoint at ``path``; a one-line ``CheckpointError`` if there is none.
-    Cheap (no file is read but ``meta.json``): every file it lists is checked for presence and size
-    only; their contents are hashed when the tensors are loaded (``sharded.load``)."""
+def validate(path: str, key: str = "checkpoint.load") -> dict:
+    """The metadata of the checkpoint at ``path``; a one-line ``CheckpointError`` naming ``key`` (the
+    setting that gave ``path``) if there is none. Cheap (no file is read but ``meta.json``): every
+    file it lists is checked for presence and size only; their contents are hashed when the
+    tensors are loaded (``sharded.load``)."""
     if os.path.islink(path.rstrip(os.sep) or path):
-        raise CheckpointError(f"checkpoint.load={path} is a symbolic link: give the checkpoint directory itself, "
-                              f"checkpoint.load={os.path.realpath(path)}")
+        raise CheckpointError(f"{key}={path} is a symbolic link: give the checkpoint directory itself, "
+                              f"{key}={os.path.realpath(path)}")
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint.load={path}: no such file or directory; give the path of a step_NNNNNNN "
+        raise CheckpointError(f"{key}={path}: no such file or directory; give the path of a step_NNNNNNN "
                               "checkpoint directory")
     if not os.path.isdir(path) or not (os.path.lexists(os.path.join(path, META))
                                        or os.path.lexists(os.path.join(path, DCP_METADATA))):
         inner = latest(path) if os.path.isdir(path) else None
         hint = f" (did you mean {inner}?)" if inner else ""
-        raise CheckpointError(f"checkpoint.load={path} is not a checkpoint: expected a directory with {META} and "
+        raise CheckpointError(f"{key}={path} is not a checkpoint: expected a directory with {META} and "
                               f"{DCP_METADATA}{hint}")
     if not is_complete(path):
-        raise CheckpointError(f"checkpoint.load={path} is incomplete (no {MARKER} marker: its save was "
+        raise CheckpointError(f"{key}={path} is incomplete (no {MARKER} marker: its save was "
                               "interrupted); load an older checkpoint")
-    meta = read_meta(path)
+    meta = read_meta(path, key=key)
     problem = check_files(path, meta.get("checksums", {}), meta.get("checksums", {}), hash_contents=False)
     if problem:
         raise CheckpointError(problem)
     return meta
 
 
-def read_meta(path: str, required: Dict[str, type] = REQUIRED_META) -> dict:
+def adapter_only(meta: dict) -> bool:
+    """Whether a checkpoint's metadata says it holds LoRA adapters alone (no base weights)."""
+    return meta.get("adapter_only") is True
+
+
+def read_meta(path: str, required: Dict[str, type] = REQUIRED_META, key: str = "checkpoint.load") -> dict:
     """``meta.json`` of the checkpoint at ``path``, with its ``required`` keys checked: a file that
     is missing, not JSON or lacks a key is a one-line ``CheckpointError`` naming the file and key.
     It is hostile input: a regular file of bounded size and nesting (a FIFO would block the
@@ -155,7 +163,7 @@ def read_meta(path: str, required: Dict[str, type] = REQUIRED_META) -> dict:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{file}: holds a {type(meta).__name__}, not a JSON object: the checkpoint is damaged")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint.load={path} has format version {meta.get('format_version')}, this code "
+        raise CheckpointError(f"{key}={path} has format version {meta.get('format_version')}, this code "
                               f"reads {FORMAT_VERSION}: convert it or use a matching megatron-hydra")
     for key, kind in required.items():
         value = meta.get(key)
@@ -165,6 +173,8 @@ def read_meta(path: str, required: Dict[str, type] = REQUIRED_META) -> dict:
                                   "damaged or not from megatron-hydra; load another one")
     if not isinstance(meta.get("checksums", {}), dict):
         raise CheckpointError(f"{file}: key 'checksums' is not a JSON object: the checkpoint is damaged")
+    if not isinstance(meta.get("adapter_only", False), bool):
+        raise CheckpointError(f"{file}: key 'adapter_only' is not true or false: the checkpoint is damaged")
     check_meta(path, meta)
     return meta
 

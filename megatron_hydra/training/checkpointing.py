@@ -9,7 +9,8 @@ step counters directly; the data sampler was already built at the checkpoint's c
 (``plan.start_point``), so the run continues with the batch the stopped one would have seen next. The
 consumed-samples counter is the module's own, carried over as saved: a resumed run may use another
 ``data.global_batch_size``, so it is never recomputed as step x batch. At the start rank 0 removes
-what interrupted saves and prunes left behind (``store.clean``).
+what interrupted saves and prunes left behind (``store.clean``). A LoRA run loads its base first,
+then its adapters, and saves its adapters alone (``checkpoint.plan``: the two sources, and why).
 
 SIGTERM, SIGUSR1 and SIGUSR2 (the warning signals SLURM and submitit send before a time limit)
 only set a flag; the ranks agree on it with a one-element all-reduce (a signal may reach them at
@@ -146,9 +147,26 @@ class CheckpointCallback(pl.Callback):
         if self.start is None:
             log.info("training starts at step 0 (checkpoints: %s)", self.dir)
             return
+        if self.start.get("base"):  # LoRA: the frozen base first, its model tensors only
+            sharded.load(self.start["base"], pl_module.model, None, self.ps, self.derived.transformer.vocab_size,
+                         load_optimizer=False, select="base", key="checkpoint.load")
+            log.info("base model loaded from %s", self.start["base"])
+        if self.start["path"] is None:
+            log.info("training starts at step 0 with initial adapters (checkpoints: %s)", self.dir)
+            return
+        self._resume(trainer, pl_module)
+
+    def _resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Load the start checkpoint (under LoRA: the adapters); continue its step and random
+        states unless it is ``peft.adapter``, whose weights start a new run."""
         path, step = self.start["path"], int(self.start["step"])
+        weights_only = self.start.get("weights_only", False)
+        select = plan.saved_part(self.derived)
         sharded.load(path, pl_module.model, self.optimizer_of(trainer), self.ps, self.derived.transformer.vocab_size,
-                     self.cfg.checkpoint.load_optimizer)
+                     self.cfg.checkpoint.load_optimizer and not weights_only, select=select)
+        if weights_only:
+            log.info("adapters loaded from %s (peft.adapter); training starts at step 0", path)
+            return
         pl_module.consumed_samples = int(self.start["consumed_samples"])
         scaler = getattr(pl_module, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in self.start and self.cfg.checkpoint.load_optimizer:
@@ -249,12 +267,13 @@ class CheckpointCallback(pl.Callback):
         for logger in trainer.loggers:  # the history up to this step reaches disk before the checkpoint
             logger.save()
         path = store.step_dir(self.dir, step)
-        meta = plan.meta(self.cfg, self.derived, step, pl_module.consumed_samples)
+        select = plan.saved_part(self.derived)  # under LoRA the adapters alone: the base never changes
+        meta = plan.meta(self.cfg, self.derived, step, pl_module.consumed_samples, select=select)
         if getattr(pl_module, "loss_scaler", None) is not None:
             meta["loss_scaler"] = pl_module.loss_scaler.state_dict()
         snap = sharded.snapshot(path, pl_module.model, self.optimizer_of(trainer), self.ps,
                                 self.derived.transformer.vocab_size, meta,
-                                stage=self._stager.stage if self._stager is not None else None)
+                                stage=self._stager.stage if self._stager is not None else None, select=select)
         if self._writer is not None:
             self._writer.submit(path, lambda: self._write(snap))
         else:

@@ -8,7 +8,9 @@ say where and how the model runs: ``parallel=tp2``, ``trainer.devices=2``, ``tra
 the bundled ``conf/`` (``config.bundled``); the model is the checkpoint's (``model=from_checkpoint``
 semantics: read from its ``meta.json`` as data, ``checkpoint.model_source``), and so is the data
 section, which says how its text was tokenized. A checkpoint of another family (BERT, T5) is
-refused here, before anything is composed.
+refused here, before anything is composed. ``peft.adapter=PATH`` adds LoRA adapters trained on
+the checkpoint; their rank, targets and scale are theirs (``checkpoint.adapters``), so it is the
+one ``peft`` option a command line gives.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from megatron_hydra.checkpoint import standalone
+from megatron_hydra.checkpoint import adapters, standalone, store
 from megatron_hydra.checkpoint.model_source import model_config, stored_model
 from megatron_hydra.config import RunConfig, bundled
 from megatron_hydra.config.cli import parse_args
@@ -30,6 +32,7 @@ from megatron_hydra.errors import CheckpointError, ConfigError, one_line
 
 # launch.py's groups a tool's command line may override (model.* apply to the checkpoint's model).
 LAUNCH_GROUPS = ("parallel", "trainer", "precision")
+ADAPTER_KEY = "peft.adapter"  # passed with the launch overrides; job_config takes it out
 
 
 def parse_command_line(schema, argv: Sequence[str]) -> Tuple[Any, List[str], List[Tuple[str, Any]]]:
@@ -42,9 +45,13 @@ def parse_command_line(schema, argv: Sequence[str]) -> Tuple[Any, List[str], Lis
     for item in argv:
         key = item.partition("=")[0]
         top = key.lstrip("+~").split(".")[0]
-        if "=" not in item or (top not in own_keys and top not in (*LAUNCH_GROUPS, "model")):
+        if top == "peft" and key != ADAPTER_KEY:
+            raise ConfigError(f"argument {item!r}: {ADAPTER_KEY}=PATH is the one peft option here (the adapter "
+                              "checkpoint's own config gives its rank, alpha and targets)")
+        if "=" not in item or (top not in own_keys and top not in (*LAUNCH_GROUPS, "model", "peft")):
             raise ConfigError(f"argument {item!r} is not one of this tool's key=value options "
-                              f"({', '.join(own_keys)}) nor an override of {', '.join(LAUNCH_GROUPS)} or model.*")
+                              f"({', '.join(own_keys)}) nor an override of {', '.join(LAUNCH_GROUPS)}, model.* or "
+                              f"{ADAPTER_KEY}")
         if top == "model":
             model.append(item)
         else:
@@ -71,6 +78,9 @@ def job_config(mode: str, checkpoint: str, launch: Sequence[str], model_override
     """The RunConfig of ``mode`` (generate | evaluate) on the checkpoint at ``checkpoint``, on a
     machine with ``visible_gpus`` GPUs (``local_ranks``: the ranks torchrun/srun started here)."""
     path = os.path.abspath(os.path.expanduser(checkpoint))
+    adapter = _take_adapter(launch)
+    launch = [o for o in launch if o.partition("=")[0] != ADAPTER_KEY]
+    adapters.refuse_adapter_only(path, "checkpoint", store.validate(path, "checkpoint"))
     arch = stored_model(path).get("arch", "gpt")
     if arch != "gpt":
         raise CheckpointError(f"checkpoint={checkpoint} holds a model.arch={arch} model: {mode} needs a causal "
@@ -89,6 +99,8 @@ def job_config(mode: str, checkpoint: str, launch: Sequence[str], model_override
     cfg.data.global_batch_size, cfg.data.num_workers = None, 0
     cfg.checkpoint.load, cfg.checkpoint.load_optimizer = path, False
     cfg.run_dir = os.path.abspath(run_dir or default_run_dir(mode))
+    if adapter:
+        cfg = adapters.adopt(cfg, adapter)
     own = os.path.join(path, "tokenizer.json")
     if tokenizer:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
@@ -98,6 +110,12 @@ def job_config(mode: str, checkpoint: str, launch: Sequence[str], model_override
     elif os.path.isfile(own):  # an import's own tokenizer, wherever the checkpoint has moved since
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=own)
     return resolve(cfg, visible_gpus, local_ranks)
+
+
+def _take_adapter(launch: Sequence[str]) -> Optional[str]:
+    """The value of ``peft.adapter=`` among the launch overrides (the last one given), if any."""
+    given = [o.partition("=")[2].strip("'\"") for o in launch if o.partition("=")[0] == ADAPTER_KEY]
+    return (given[-1] or None) if given else None
 
 
 def _compose(overrides: List[str], visible_gpus: int) -> RunConfig:

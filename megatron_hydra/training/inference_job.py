@@ -9,17 +9,21 @@ from the checkpoint (any layout wrote it: checkpoints are layout-free), and runs
 engine with every other rank (``run_job``). The end-of-training sample runs the same engine on the
 live model (``training_sample``), so it too works at any layout the engine runs.
 
+A LoRA model is ``checkpoint.load`` (the base) plus ``peft.adapter`` (adapters trained on it),
+loaded side by side, never merged: the adapters' own config says their rank, targets and scale
+(``with_adapters``), so the user gives the two paths and nothing else.
+
 Nothing here imports Lightning: the launcher runs ``preflight`` in its own process.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_hydra.checkpoint import sharded, standalone, store
-from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.checkpoint import adapters, sharded, standalone, store
+from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.config.inference import eval_output_dir
 from megatron_hydra.config.schema import SamplingConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
@@ -56,10 +60,14 @@ def prompt_tokens(tokenizer: Tokenizer, prompts: List[str]) -> List[List[int]]:
 def preflight(cfg: RunConfig, derived: Derived) -> None:
     """One line for what would fail in every worker, found in the launching process: a missing,
     incomplete or other model's checkpoint, no tokenizer, bad sampling settings, prompts longer
-    than the model's positions, an unknown task or a task file that does not parse."""
-    store.validate(cfg.checkpoint.load)
+    than the model's positions, an unknown task or a task file that does not parse; adapters
+    that are no adapters or not of this base."""
+    cfg, derived = with_adapters(cfg, derived)
+    adapters.refuse_adapter_only(cfg.checkpoint.load, "checkpoint.load", store.validate(cfg.checkpoint.load))
     # Its config is data from elsewhere: shown to match its tensors before a worker builds anything.
-    standalone.check_before_building(cfg.checkpoint.load, derived)
+    standalone.check_before_building(cfg.checkpoint.load, derived, select=_base(derived))
+    if cfg.peft.adapter is not None:
+        standalone.check_before_building(cfg.peft.adapter, derived, select="adapters", key="peft.adapter")
     tokenizer = job_tokenizer(cfg)
     if cfg.mode == "generate":
         check_sampling(cfg.generation.sampling)
@@ -69,6 +77,20 @@ def preflight(cfg: RunConfig, derived: Derived) -> None:
     from megatron_hydra.inference.lm_eval_adapter import check_tasks
 
     check_tasks(list(cfg.trainer.eval.tasks))
+
+
+def with_adapters(cfg: RunConfig, derived: Derived) -> Tuple[RunConfig, Derived]:
+    """The run with the peft settings of its adapter checkpoint (``peft.adapter``), re-derived
+    when they differ from the command line's; unchanged without one."""
+    if cfg.peft.adapter is None:
+        return cfg, derived
+    adopted = adapters.adopt(cfg, cfg.peft.adapter)
+    return (cfg, derived) if adopted.peft == cfg.peft else (adopted, derive(adopted))
+
+
+def _base(derived: Derived) -> Optional[str]:
+    """The part of the model ``checkpoint.load`` fills: all of it, or with adapters the base."""
+    return "base" if derived.transformer.lora is not None else None
 
 
 def check_positions(tcfg: TransformerConfig, prompts: List[List[int]], max_new_tokens: int) -> None:
@@ -83,6 +105,7 @@ def check_positions(tcfg: TransformerConfig, prompts: List[List[int]], max_new_t
 # A worker's job ------------------------------------------------------------------------------
 def run_job(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
     """This rank's part of ``mode=generate`` or ``mode=evaluate`` (every rank calls it together)."""
+    cfg, derived = with_adapters(cfg, derived)
     device = device_for(cfg.trainer.accelerator, local_rank)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
                              ep=derived.ep, etp=derived.etp)
@@ -95,10 +118,15 @@ def run_job(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
 
 
 def load_stage(cfg: RunConfig, derived: Derived, ps: ParallelState, device: torch.device) -> List[torch.nn.Module]:
-    """This rank's model chunks at the layout, filled from ``checkpoint.load`` (collective)."""
+    """This rank's model chunks at the layout, filled from ``checkpoint.load`` and, with adapters,
+    from ``peft.adapter`` (collective)."""
     chunks, _ = build_stage_chunks(cfg, derived, ps, device)
-    sharded.load(cfg.checkpoint.load, torch.nn.ModuleList(chunks), None, ps, derived.transformer.vocab_size,
-                 load_optimizer=False)
+    model, vocab = torch.nn.ModuleList(chunks), derived.transformer.vocab_size
+    sharded.load(cfg.checkpoint.load, model, None, ps, vocab, load_optimizer=False, select=_base(derived),
+                 key="checkpoint.load")
+    if cfg.peft.adapter is not None:
+        sharded.load(cfg.peft.adapter, model, None, ps, vocab, load_optimizer=False, select="adapters",
+                     key="peft.adapter")
     return chunks
 
 
