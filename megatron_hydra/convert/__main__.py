@@ -1,10 +1,13 @@
 """``python -m megatron_hydra.convert from_hf|to_hf key=value ...``
 
     from_hf input=HF_DIR output=CKPT_DIR [parallel=single|tp2|tp2_pp2|...] [name=MODEL_NAME]
+    from_hf input=PEFT_ADAPTER_DIR base=BASE_CKPT output=ADAPTER_CKPT [parallel=...]
     to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16|float64] (default: the checkpoint's own)
+    to_hf   input=BASE_CKPT adapter=ADAPTER_CKPT merge=true output=HF_DIR [dtype=...]   (LoRA merged in)
+    to_hf   input=ADAPTER_CKPT output=PEFT_DIR [base=HF_NAME_OR_DIR] [dtype=...]      (a peft adapter directory)
 
 Families: GPT-2, Llama (3.1+ RoPE scaling), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3
-(our GPT), BERT, T5 (docs/hf_interop.md).
+(our GPT), BERT, T5; LoRA adapters merged, or as peft adapter directories (docs/hf_interop.md).
 
 Arguments are Hydra-style ``key=value`` overrides, typed by the dataclasses below, so a misspelled
 key is a one-line error. Errors print one line and exit with status 2.
@@ -28,6 +31,7 @@ class FromHF:
     output: str = MISSING
     parallel: str = "single"
     name: Optional[str] = None
+    base: Optional[str] = None  # the base checkpoint of a peft adapter directory
 
 
 @dataclass
@@ -35,6 +39,9 @@ class ToHF:
     input: str = MISSING
     output: str = MISSING
     dtype: Optional[str] = None
+    adapter: Optional[str] = None  # an adapter checkpoint to merge into input (merge=true)
+    merge: bool = False
+    base: Optional[str] = None  # a peft adapter directory's base model (name or directory), recorded
 
 
 COMMANDS = {"from_hf": FromHF, "to_hf": ToHF}
@@ -50,10 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(COMMANDS[argv[0]], argv[1:])
         if argv[0] == "from_hf":
-            command = api.from_hf(args.input, args.output, args.parallel, args.name)
+            command = api.from_hf(args.input, args.output, args.parallel, args.name, args.base)
             print(f"imported {args.input} -> {args.output}\nfine-tune it with:\n  {command}")
         else:
-            result = api.to_hf(args.input, args.output, args.dtype)
+            result = api.to_hf(args.input, args.output, args.dtype, adapter=args.adapter, merge=args.merge,
+                               base=args.base)
             print(f"exported {args.input} -> {args.output} ({result['architecture']}: {', '.join(result['files'])})")
     except MegatronHydraError as e:
         print(f"error: {e}", file=sys.stderr)

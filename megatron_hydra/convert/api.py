@@ -22,6 +22,9 @@ anything is built or read, and its layer and expert counts against the number of
 hold before anything is built from them, so a config that claims 100000 layers is one line at
 once, not minutes of building.
 
+LoRA adapters (``convert.lora``) go out merged into the weights (``merge``) or as a ``peft``
+adapter directory, and come in from one as an adapter checkpoint of an imported base.
+
 Both directions stream (``name_map.import_tensors``, ``export_plan``): one tensor at a time, never
 the whole model, each tensor in the dtype it has (an import keeps its files' dtype; an export writes the checkpoint's
 own unless ``dtype`` says otherwise). Export writes ``config.json`` plus safetensors that
@@ -41,12 +44,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_hydra import untrusted
-from megatron_hydra.checkpoint import plan, sharded, standalone
+from megatron_hydra.checkpoint import plan, sharded, standalone, store
 from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.config import RunConfig, bundled, derive
 from megatron_hydra.config.derive import DTYPES
 from megatron_hydra.config.schema import TokenizerConfig
-from megatron_hydra.convert import hf_files, name_map, staging
+from megatron_hydra.convert import hf_files, lora, name_map, peft_config, staging
 from megatron_hydra.convert.families import FAMILIES, family_for
 from megatron_hydra.convert.mapping import HFConfig, HFWeights
 from megatron_hydra.errors import CheckpointError, ConfigError, MegatronHydraError
@@ -84,17 +87,23 @@ def _default_name(hf_dir: str) -> str:
     return re.sub(r"[^a-z0-9_]+", "_", base).strip("_") or "imported"
 
 
-def from_hf(input: str, output: str, parallel: str = "single", name: Optional[str] = None) -> str:
-    """Import the Hugging Face model directory ``input`` into a checkpoint at ``output``;
-    returns the command that fine-tunes it."""
+def from_hf(input: str, output: str, parallel: str = "single", name: Optional[str] = None,
+            base: Optional[str] = None) -> str:
+    """Import the Hugging Face model directory ``input`` into a checkpoint at ``output``, or the
+    ``peft`` adapter directory ``input`` into an adapter checkpoint of the checkpoint ``base``
+    (``convert.lora``); returns the command that fine-tunes it."""
+    if os.path.lexists(os.path.join(input, peft_config.ADAPTER_CONFIG)):
+        return _from_peft(input, output, parallel, base)
+    if base is not None:
+        raise ConfigError(f"base={base} goes with a peft adapter directory, and input={input} has no "
+                          f"{peft_config.ADAPTER_CONFIG}: drop base= to import a model")
     hf = hf_files.read_config(input)
     kind = hf.value("model_type", str, None)
     if kind not in FAMILIES:
         names = ", ".join(map(str, hf.value("architectures", list, [])))
         raise ConfigError(f"input={input}: model_type={kind!r} ({names}) is not "
                           f"supported: supported are {', '.join(FAMILIES)}")
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    _check_output(output)
     name = name or _default_name(input)
     family = FAMILIES[kind]
     files = hf_files.read_weights(input)
@@ -114,6 +123,26 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     with staging.staged(output) as stage:
         standalone.save_tensors(stage, tensors, cfg, derived, layout, files=extras)
     return _fine_tune_command(cfg, output, parallel)
+
+
+def _check_output(output: str) -> None:
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+
+
+def _from_peft(input: str, output: str, parallel: str, base: Optional[str]) -> str:
+    """The ``peft`` adapter directory ``input`` as an adapter checkpoint of ``base``; returns the
+    command that goes on training it (the adapters' settings spelled out, as the run needs them)."""
+    _check_output(output)
+    if not bundled.has_option("parallel", parallel):
+        _composed(parallel, "gpt")  # the one line listing the layouts
+    peft = lora.import_peft(input, base, output)
+    par = _composed(parallel, "gpt").parallel  # after the import: composing costs a second
+    settings = (f"peft=lora peft.adapter={output} peft.rank={peft.rank} peft.alpha={peft.alpha} "
+                f"peft.dropout={peft.dropout} peft.rslora={str(peft.rslora).lower()} "
+                f"peft.target_modules=[{','.join(peft.target_modules)}]")
+    return (f"python launch.py model=from_checkpoint checkpoint.load={base} checkpoint.load_optimizer=false "
+            f"parallel={parallel} trainer.devices={par.tensor_parallel_size * par.pipeline_parallel_size} {settings}")
 
 
 # The config.json keys that count layers or experts, in every family (GPT-2: n_layer; T5:
@@ -245,21 +274,63 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def to_hf(input: str, output: str, dtype: Optional[str] = None,
-          max_shard_bytes: int = hf_files.DEFAULT_SHARD_BYTES) -> Dict[str, object]:
+          max_shard_bytes: int = hf_files.DEFAULT_SHARD_BYTES, adapter: Optional[str] = None, merge: bool = False,
+          base: Optional[str] = None) -> Dict[str, object]:
     """Export the checkpoint ``input`` as a Hugging Face model directory ``output``, its tensors
     in ``dtype`` (default: the dtype the checkpoint holds them in). A float32 export of a 16-bit
-    run takes its fp32 main weights where the checkpoint has them, as loading an fp32 model does."""
+    run takes its fp32 main weights where the checkpoint has them, as loading an fp32 model does.
+
+    LoRA (``convert.lora``): with ``merge`` the adapters of ``adapter`` (default: ``input``'s own)
+    are folded into the weights; a checkpoint holding adapters, exported without ``merge``, becomes
+    a ``peft`` adapter directory of the Hugging Face model ``base`` (a name or directory, recorded)."""
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype={dtype}: use {', '.join(EXPORT_DTYPES)} (default: the checkpoint's own)")
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    _check_output(output)
+    adapter_only = store.adapter_only(store.validate(input, "input"))
+    own = adapter_only or standalone.read_config(input).peft.name == "lora"
+    if own and not merge:
+        if adapter is not None:
+            raise ConfigError(f"adapter={adapter} goes with merge=true and a base input=: input={input} holds "
+                              "adapters itself, which are written as a peft adapter directory")
+        return lora.export_peft(input, output, dtype, base)
+    _check_merge(input, adapter, merge, base, adapter_only, own)
+    return _export_model(input, output, dtype, max_shard_bytes, (adapter or input) if merge else None)
+
+
+def _check_merge(input: str, adapter: Optional[str], merge: bool, base: Optional[str], adapter_only: bool,
+                 own: bool) -> None:
+    """The arguments of a model export, merged or not, make sense together."""
+    if base is not None:
+        raise ConfigError(f"base={base} names the Hugging Face base of a peft adapter directory, which an export "
+                          "of adapters without merge=true writes: drop base=")
+    if adapter_only:
+        raise ConfigError(f"merge=true folds adapters into a base model, and input={input} holds adapters only: "
+                          f"give input=<base checkpoint> adapter={input}")
+    if adapter is not None and not merge:
+        raise ConfigError(f"adapter={adapter} is folded into input= with merge=true; for a peft adapter directory "
+                          f"give input={adapter} alone")
+    if adapter is not None and own:
+        raise ConfigError(f"input={input} holds adapters of its own: merge them (merge=true without adapter=), or "
+                          "give a base checkpoint without adapters")
+    if merge and not own and adapter is None:
+        raise ConfigError(f"merge=true: input={input} holds no adapters; give adapter=<adapter checkpoint>")
+
+
+def _export_model(input: str, output: str, dtype: Optional[str], max_shard_bytes: int,
+                  adapters: Optional[str]) -> Dict[str, object]:
+    """The Hugging Face model directory of the checkpoint ``input``, with the adapters of the
+    checkpoint ``adapters`` merged when given."""
     cfg, derived = standalone.checked_config(input, archs=tuple(ARCHS))
     own = _tokenizer_paths(input, [os.path.realpath(input)], "checkpoint")  # an import's; before anything is written
     tcfg = derived.transformer
     family = family_for(tcfg)
     sharded.verify(input, torch.device("cpu"))
     target = DTYPES[dtype] if dtype is not None else None
-    shapes = plan.logical_shapes(derived)
+    shapes = plan.logical_shapes(derived, "base")
+    merger = None
+    if adapters is not None:
+        found = lora.read_adapters(adapters, "adapter" if adapters != input else "input", cfg, verify=adapters != input)
+        merger = lora.Merger(found, main=target == torch.float32)
     sources = standalone.tensor_sources(input, shapes, main=target == torch.float32)
     dtypes = {name: target or stored for name, (_, _, stored) in sources.items()}
     steps, specs = name_map.export_plan(family.NAME_MAP, tcfg, shapes, dtypes)
@@ -269,7 +340,7 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None,
         config.update(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     with staging.staged(output) as stage:
         hf_files.write_config(stage, config)
-        files = [hf_files.CONFIG, *_write_weights(input, stage, steps, specs, sources, tcfg, max_shard_bytes)]
+        files = [hf_files.CONFIG, *_write_weights(input, stage, steps, specs, sources, tcfg, max_shard_bytes, merger)]
         for name, content in _tokenizer_files(own, tokenizer).items():
             with open(os.path.join(stage, name), "wb") as f:
                 f.write(content)
@@ -277,15 +348,18 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None,
     return {"architecture": family.MODEL_TYPE, "files": files}
 
 
-def _write_weights(input: str, directory: str, steps, specs, sources, tcfg, max_shard_bytes: int) -> List[str]:
+def _write_weights(input: str, directory: str, steps, specs, sources, tcfg, max_shard_bytes: int,
+                   merger: Optional[lora.Merger] = None) -> List[str]:
     """The safetensors shards of ``specs``: each of our tensors read from the checkpoint
-    ``input`` (a few at a time), sent through its rule's inverse transform and written into its
-    place; returns the files written."""
+    ``input`` (a few at a time), its adapters merged into it (``merger``), sent through its rule's
+    inverse transform and written into its place; returns the files written."""
     dtypes = {name: dtype for name, _, dtype in specs}
     with hf_files.ShardWriter(directory, specs, max_shard_bytes) as out:
-        step = {sources[ours][0]: (rule, theirs) for ours, rule, theirs in steps}
+        step = {sources[ours][0]: (ours, rule, theirs) for ours, rule, theirs in steps}
         for key, t in standalone.read_tensors(input, [sources[ours] for ours, _, _ in steps]):
-            rule, theirs = step[key]
+            ours, rule, theirs = step[key]
+            if merger is not None and ours in merger:
+                t = merger.merge(ours, t, dtypes[theirs[0]])
             _put(out, theirs, rule.transform.to_theirs(t, tcfg), dtypes)
             del t  # released before the next read, not after it
         return out.finish()
