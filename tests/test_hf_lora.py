@@ -366,3 +366,32 @@ def test_export_arguments_that_do_not_fit_are_one_line(families, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "adapter_config.json: use_dora=true is not supported" in err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_trained_adapters_export_to_peft_with_our_logits(families, tmp_path):
+    """The issue's check after training: adapters trained by a LoRA run on an imported Llama,
+    exported as a peft directory and loaded by ``PeftModel.from_pretrained`` onto the Hugging Face
+    base, give our model's logits (base + those adapters) to 1e-5 in fp32."""
+    from megatron_hydra import launcher
+    from megatron_hydra.checkpoint import standalone, store
+    from megatron_hydra.convert import api
+
+    hf, _, base, *_ = families["llama"]
+    run_dir = tmp_path / "run"
+    cfg = compose_config([f"checkpoint.load={base}", "peft=lora", "peft.rank=4", "data=synthetic", "trainer=cpu",
+                          "trainer.max_steps=3", "optim.warmup_steps=1", "optim.lr=0.02", "precision=fp32",
+                          "data.micro_batch_size=2", "trainer.enable_progress_bar=false",
+                          "trainer.generate_sample_tokens=0"], str(run_dir))
+    cfg.model = standalone.read_config(base).model  # model=from_checkpoint, as launch.py resolves it
+    cfg.model.seq_length = 16
+    launcher.run(cfg)
+    adapter = store.latest(str(run_dir / "checkpoints"))
+    assert store.step_of(adapter) == 3
+    model, *_ = _ours(base, standalone.read_config(adapter), adapter)
+    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if ".lora.b" in n)  # trained: B left zero
+    out = str(tmp_path / "peft")
+    api.to_hf(adapter, out)
+    with torch.no_grad():
+        theirs = _with_adapter(hf, out)(TOKENS).logits
+        assert (theirs - hf(TOKENS).logits).abs().max() > 1e-3
+    torch.testing.assert_close(_logits(model), theirs, atol=1e-5, rtol=0)
