@@ -266,12 +266,17 @@ def test_launcher_runs_the_dry_run_before_any_gpu_check(tmp_path, capsys):
     # attention within documents keeps its [b, 1, queries, keys] mask (the ring: its own queries')
     ("data=demo", "data.reset_attention_mask=true"),
     ("data=demo", "data.reset_attention_mask=true", "trainer.devices=2", "parallel.context_parallel_size=2"),
+    # LoRA (planning.frozen): frozen linear layers keep no input unless an adapter reads it
+    ("parallel=tp2", "trainer.devices=2", "parallel.sequence_parallel=true", "recompute.granularity=selective",
+     "model.num_query_groups=2", "model.position_embedding=rope", "model.activation=swiglu", "peft=lora",
+     "peft.target_modules=[qkv,fc2]"),
 ], ids=["gpt", "llama", "tp2_sp_rope", "cp2_tp2_sp_rope_gqa", "cp2_a2a", "full_recompute", "tp2_sp_selective_recompute",
-        "document_mask", "cp2_document_mask"])
+        "document_mask", "cp2_document_mask", "lora_tp2_sp_selective"])
 def test_activations_per_layer_match_the_analytic_formula(form):
     """The bytes one more layer adds to the step's peak, measured over fake tensors, against the
     plan's per-layer formula (Korthikanti et al. 2022, with the terms of this code's kernels)."""
     from megatron_hydra.planning.activations import activation_bytes_per_layer
+    from megatron_hydra.planning.frozen import layer_bytes
     from megatron_hydra.planning.memory import _layer_shape
 
     peaks = {}
@@ -282,5 +287,6 @@ def test_activations_per_layer_match_the_analytic_formula(form):
         (result,) = D.dry_run(cfg, derived, [0])
         peaks[layers] = result.peak_bytes - result.static_bytes
     measured = peaks[3] - peaks[2]
-    planned = activation_bytes_per_layer(**_layer_shape(cfg, derived), recompute=cfg.recompute.granularity)
+    shape, recompute = _layer_shape(cfg, derived), cfg.recompute.granularity
+    planned = activation_bytes_per_layer(**shape, recompute=recompute) + layer_bytes(derived.transformer, shape, recompute)
     assert measured == pytest.approx(planned, rel=0.01)

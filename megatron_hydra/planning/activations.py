@@ -25,6 +25,9 @@ size, f ffn size):
                                    ReLU: x 1, its output is both what it saves and fc2's input)
     rotary (RoPE) Q and K          v sb (a + g) d / t (rotated copies; the unrotated QKV output stays
                                    alive as V's base; measured by the dry run)
+    rotary at given positions      2 v sb d: the cos and sin gathered at the batch's position ids
+                                   (packed documents restart them: SFT, preference pairs), where
+                                   the plain case reads views of the tables
     core attention, unfused        a s^2 b (2v + m) / t   (v without attention dropout)
 
 The architecture keys of today's open models (docs/models.md) add, per layer:
@@ -80,7 +83,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
                                sp_gathered_inputs: bool = False, rotary: bool = False, cp: int = 1,
                                cp_comm: str = "p2p", document_mask: bool = False, qk_norm: bool = False,
                                post_norms: bool = False, zero_centered: bool = False, window: bool = False,
-                               softcap: bool = False) -> float:
+                               softcap: bool = False, positions: bool = False) -> float:
     """Bytes one Transformer layer keeps for backward per micro-batch (module docstring). The
     defaults are the paper's assumptions; ``recompute='full'`` gives what a checkpointed region
     keeps (its input). ``attention``: unfused (the paper) or fused (a flash-style kernel);
@@ -88,7 +91,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     context parallelism ``cp`` the rank holds s/cp of the ``seq`` tokens, whose queries attend to
     all ``seq`` keys (``planning.context_parallel``). ``qk_norm``, ``post_norms``,
     ``zero_centered``: those norms; ``window``: this layer's window binds (shorter than ``seq``);
-    ``softcap``: its scores are soft-capped."""
+    ``softcap``: its scores are soft-capped; ``positions``: the batch carries position ids."""
     s, b, h, a, t, v = seq, micro_batch, hidden, heads, tp, value_bytes
     q = s / cp  # the tokens (and queries) this rank holds
     qbh, r = q * b * h, (1.0 / tp if sequence_parallel else 1.0)
@@ -111,6 +114,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
         if v < 4:  # models.norms: a zero-centred norm keeps its input widened to float32
             total += (4 - v) * (norms * qbh * r + (q * b * a * d / t if qk_norm else 0))  # Q's heads: as measured
     total += context_parallel.layer_extra_bytes(cp, cp_comm, rotary, tokens=q * b, heads=a, kv_channels=d, tp=t, value_bytes=v)
+    if rotary and positions and cp == 1:  # at cp > 1 the rank's positions are gathered anyway (above)
+        total += 2 * v * q * b * d
     if recompute == "selective" and cp == 1:
         return total
     if cp == 1 and softcap:

@@ -56,7 +56,7 @@ def _try(cfg: RunConfig, change: Callable[[RunConfig], None]):
     changed = copy.deepcopy(cfg)
     change(changed)
     try:
-        return plan_memory(changed, derive(changed))
+        return plan_memory(changed, derive(changed), compare=False)
     except ConfigError:  # the change is not a valid layout for this model or world size
         return None
 

@@ -12,6 +12,9 @@ queries see: the query at position i sees min(w, i + 1) of them, w(w + 1)/2 + (s
 sequence. A window of the whole sequence or more binds nothing, so that layer is global and counted
 as one: the same computation counts the same whether or not the key is set. Soft-capping and
 QK-norm are elementwise and, like the norms, not counted.
+
+LoRA (frozen weights get no gradient: the backward of their layers is as long as the forward, not
+twice) and DPO (the reference model's forward over every sample): ``planning.frozen``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning.frozen import training_flops
 
 
 def window_keys(seq: int, window: Optional[int]) -> float:
@@ -34,9 +38,10 @@ def attention_keys(cfg: TransformerConfig) -> float:
     return sum(window_keys(cfg.seq_length, cfg.windowed(layer)) for layer in range(cfg.num_layers))
 
 
-def model_flops_per_token(cfg: TransformerConfig) -> float:
+def model_flops_per_token(cfg: TransformerConfig, reference_forward: bool = False) -> float:
     """A Mixture-of-Experts layer counts what a token runs through: its router, its ``top_k``
-    experts and the shared expert, in place of the dense MLP."""
+    experts and the shared expert, in place of the dense MLP. LoRA and DPO's reference forward
+    (``reference_forward``): ``planning.frozen.training_flops``."""
     h, d = cfg.hidden_size, cfg.kv_channels
     qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     proj = 2 * cfg.num_attention_heads * d * h
@@ -44,12 +49,12 @@ def model_flops_per_token(cfg: TransformerConfig) -> float:
     mlp = 2 * h * cfg.ffn_hidden_size * matrices
     attention = 2 * 2 * cfg.num_attention_heads * d * attention_keys(cfg)
     head = 2 * h * cfg.padded_vocab_size
-    dense = cfg.num_layers * (qkv + proj + mlp) + attention
+    linear = cfg.num_layers * (qkv + proj + mlp)
     moe = cfg.moe
     if moe is not None:
         routed = 2 * h * (moe.num_experts + (moe.top_k * moe.ffn_hidden_size + moe.shared_ffn_hidden_size) * matrices)
-        dense += len(cfg.moe_layers) * (routed - mlp)
-    return 3.0 * (dense + head)
+        linear += len(cfg.moe_layers) * (routed - mlp)
+    return training_flops(cfg, linear, attention, head, reference_forward)
 
 
 def t5_flops_per_sample(cfg: TransformerConfig) -> float:
@@ -69,8 +74,9 @@ def loss_tokens(cfg: TransformerConfig) -> int:
     return cfg.decoder_seq_length if cfg.arch == "t5" else cfg.seq_length
 
 
-def model_flops_per_step(cfg: TransformerConfig, global_batch_size: int) -> float:
-    """BERT counts as GPT (its masked-LM head's extra dense layer is under 1% at published shapes)."""
+def model_flops_per_step(cfg: TransformerConfig, global_batch_size: int, reference_forward: bool = False) -> float:
+    """BERT counts as GPT (its masked-LM head's extra dense layer is under 1% at published shapes).
+    ``reference_forward``: ``objective=dpo``'s reference model runs forward over the batch too."""
     if cfg.arch == "t5":
         return t5_flops_per_sample(cfg) * global_batch_size
-    return model_flops_per_token(cfg) * global_batch_size * cfg.seq_length
+    return model_flops_per_token(cfg, reference_forward) * global_batch_size * cfg.seq_length

@@ -13,7 +13,9 @@ GPUs, and for a Mixture-of-Experts model expert parallelism is carved from it: e
 are ranked by the step time of ``planning.performance`` and the best are printed with their MFU
 (model FLOPs over the GPU's dense bf16 peak) and the command that runs each. Every model family is
 planned (GPT, Llama, MoE, BERT, T5); the layouts a family cannot run (BERT and T5: no sequence or
-context parallelism, T5 no pipeline stages, no FSDP: ``config.derive``) never derive.
+context parallelism, T5 no pipeline stages, no FSDP: ``config.derive``) never derive. A LoRA job
+(``peft=lora``) and a DPO job (``objective=dpo``) are planned and timed as they run: the frozen
+base's memory and skipped gradients, the reference model's copy and forward (``planning.frozen``).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
     seq, heads = cfg.model.seq_length, cfg.model.num_attention_heads
     cps = _context_parallel(cfg, world, opts)
     software = dict(flash_attention=opts.flash_attention, fused_kernels=cfg.model.transformer_impl == "transformer_engine",
-                    fp8=cfg.precision.fp8 is not None)
+                    fp8=cfg.precision.fp8 is not None, reference_forward=cfg.objective.name == "dpo")
     for tp, (cp, comm) in itertools.product(_divisors(cluster.gpus_per_node), cps):
         if comm == "a2a" and (heads // tp) % cp:
             continue  # config.derive: Ulysses splits each TP rank's heads over cp
@@ -173,7 +175,7 @@ def memory_peak(cfg: RunConfig, derived: Derived) -> Tuple[bool, int]:
     """(fits, bytes of the fullest rank) from the memory plan."""
     from megatron_hydra.planning.memory import plan_memory
 
-    plan = plan_memory(cfg, derived)
+    plan = plan_memory(cfg, derived, compare=False)
     return plan.fits, plan.peak.total_bytes
 
 

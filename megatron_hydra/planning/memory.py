@@ -79,19 +79,19 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from megatron_hydra.config.derive import Derived
-from megatron_hydra.config.schema import RunConfig
+from megatron_hydra.config.schema import PACKED_DOCUMENT_DATA, RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.cross_entropy import vocab_chunks
 from megatron_hydra.parallel.device import this_rank_device
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
 from megatron_hydra.parallel.recompute import recomputed_chunks
-from megatron_hydra.planning import context_parallel
+from megatron_hydra.planning import context_parallel, frozen
 from megatron_hydra.planning.memory_archs import (StackBytes, chunk_buffer_bytes, chunk_parameters, outside_layers,
                                                   stacks)
 from megatron_hydra.planning import moe
@@ -140,10 +140,13 @@ def flat_buffer(numels: List[int], bucket_size: int, dp: int, distributed_optimi
 
 # Parameters ---------------------------------------------------------------------------------------
 
-def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int) -> List[int]:
+def chunk_numels(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool, tp: int,
+                 trains: Optional[bool] = None) -> List[int]:
     """Element counts of the parameters one TP rank holds of a model chunk of ``num_layers``
-    layers, in the model's parameter order (a dense model; ``planning.moe`` for experts)."""
-    return [n // tp if sharded else n for n, sharded in chunk_parameters(shape_only(tcfg), num_layers, pre, post)]
+    layers, in the model's parameter order (a dense model; ``planning.moe`` for experts).
+    ``trains``: only those that train (True) or only the frozen (False: LoRA's base), else all."""
+    return [n // tp if sharded else n for n, sharded, adapter in chunk_parameters(shape_only(tcfg), num_layers, pre, post)
+            if trains is None or (tcfg.lora is None or adapter) == trains]
 
 
 def rank_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[Tuple[int, bool, bool]]:
@@ -169,9 +172,10 @@ def _layer_shape(cfg: RunConfig, derived: Derived) -> dict:
                 hidden_dropout=tc.hidden_dropout > 0, attention_dropout=tc.attention_dropout > 0,
                 attention="fused" if gpu or tc.attention_dropout == 0 else "unfused", sp_gathered_inputs=True,
                 rotary=tc.position_embedding == "rope", cp=derived.cp, cp_comm=tc.cp_comm_type,
-                document_mask=cfg.data.reset_attention_mask or cfg.data.name == "sft", qk_norm=tc.qk_norm,
+                document_mask=cfg.data.reset_attention_mask or cfg.data.name in PACKED_DOCUMENT_DATA, qk_norm=tc.qk_norm,
                 post_norms=tc.post_sublayer_norm, zero_centered=tc.zero_centered_gamma,
-                softcap=tc.attn_logit_softcapping is not None)
+                softcap=tc.attn_logit_softcapping is not None,
+                positions=cfg.data.reset_position_ids or cfg.data.name in PACKED_DOCUMENT_DATA)
 
 
 def _chunk_activations(tc: TransformerConfig, chunk_stacks: List[StackBytes]) -> Tuple[float, float]:
@@ -202,7 +206,7 @@ def pipeline_buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int) -> int
     activation each stage receives (all but the first stage) and one per micro-batch for the
     gradient it receives back (all but the last), each [micro_batch, seq/cp (/tp under SP),
     hidden] in the parameter dtype. A neighbour stage on the same rank (ZB-V's turn) hands over
-    directly."""
+    directly. DPO's reference pass runs a pipeline of its own, whose stages keep as many."""
     if derived.pp == 1:
         return 0
     tc = derived.transformer
@@ -211,7 +215,7 @@ def pipeline_buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int) -> int
     schedule, last = cfg.parallel.pipeline_schedule, len(derived.layers_per_stage) - 1
     stages = stage_indices(pp_rank, derived.pp, derived.vpp, schedule)
     remote = [n for s in stages for n in (s - 1, s + 1) if 0 <= n <= last and n not in stages]
-    return len(remote) * derived.num_microbatches * one
+    return len(remote) * derived.num_microbatches * one * (2 if cfg.objective.name == "dpo" else 1)
 
 
 def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, num_microbatches: int) -> int:
@@ -286,6 +290,8 @@ class RankMemory:
     gathered_bytes: int = 0  # FSDP: unsharded weights and grads while a step runs (planning.fsdp)
     cp_buffer_bytes: int = 0  # context parallelism's exchange buffers (planning.context_parallel)
     buffer_bytes: int = 0  # the model's buffers: each attention's rotary cos/sin tables
+    frozen_params: int = 0  # of ``params``, LoRA's frozen base: weights alone (planning.frozen)
+    reference_bytes: int = 0  # objective=dpo without LoRA: the frozen reference copy (planning.frozen)
     # Headroom (module docstring): not in ``total_bytes``, in ``needed_bytes``.
     transient_bytes: int = 0
     context_bytes: int = 0
@@ -296,7 +302,7 @@ class RankMemory:
     def static_bytes(self) -> int:
         """What a rank holds from its first step to its last (all but the activations)."""
         return (self.weight_bytes + self.grad_bytes + self.main_weight_bytes + self.optimizer_bytes
-                + self.pipeline_buffer_bytes + self.buffer_bytes)
+                + self.pipeline_buffer_bytes + self.buffer_bytes + self.reference_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -334,7 +340,10 @@ class MemoryPlan:
         gathered = any(r.gathered_bytes for r in self.ranks)  # FSDP's column
         cp = any(r.cp_buffer_bytes for r in self.ranks)  # context parallelism's column
         tables = any(r.buffer_bytes for r in self.ranks)  # the rotary tables' column
-        cols = ("params", "weights", "grads", "main wts", "optimizer", *(("buffers",) * tables), "p2p bufs",
+        lora = any(r.frozen_params for r in self.ranks)  # the trained parameters' column
+        ref = any(r.reference_bytes for r in self.ranks)  # DPO's reference copy
+        cols = ("params", *(("trained",) * lora), "weights", "grads", "main wts", "optimizer",
+                *(("buffers",) * tables), *(("reference",) * ref), "p2p bufs",
                 *(("gathered",) * gathered), "activations", *(("cp bufs",) * cp), "total", "headroom", "needs")
         width = max(14, *(len(r.position) + 2 for r in self.ranks))
         unit, size = ("GiB", GIB) if self.peak.needed_bytes >= GIB else ("MiB", 2**20)
@@ -342,10 +351,12 @@ class MemoryPlan:
         lines.append(f"{'rank position':<{width}}" + "".join(f"{c:>12}" for c in cols) + f"   ({unit})")
         for r in self.ranks:
             values = (r.weight_bytes, r.grad_bytes, r.main_weight_bytes, r.optimizer_bytes,
-                      *((r.buffer_bytes,) * tables), r.pipeline_buffer_bytes,
+                      *((r.buffer_bytes,) * tables), *((r.reference_bytes,) * ref), r.pipeline_buffer_bytes,
                       *((r.gathered_bytes,) * gathered), r.activation_bytes, *((r.cp_buffer_bytes,) * cp),
                       r.total_bytes, r.headroom_bytes, r.needed_bytes)
-            lines.append(f"{r.position:<{width}}{_count(r.params):>12}" + "".join(f"{x / size:>12.2f}" for x in values))
+            counts = (r.params, *((r.params - r.frozen_params,) * lora))
+            lines.append(f"{r.position:<{width}}" + "".join(f"{_count(n):>12}" for n in counts)
+                         + "".join(f"{x / size:>12.2f}" for x in values))
         peak = self.peak
         lines += self._headroom_rows(unit, size)
         short = (peak.needed_bytes - self.device_bytes) / GIB
@@ -427,23 +438,26 @@ def rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int) -> RankMemory:
 def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, outside) -> RankMemory:
     tc = derived.transformer
     chunks = rank_chunks(cfg, derived, pp_rank)
-    gathered, moe = 0, tc.moe is not None
-    numels = [] if moe else [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp)]
-    params = sum(numels)
+    gathered, moe, fixed = 0, tc.moe is not None, 0  # fixed: LoRA's frozen base (planning.frozen)
     if moe:
         from megatron_hydra.planning.moe import rank_state
 
-        params, (weights, grads, main, optimizer) = rank_state(cfg, derived, pp_rank, chunks)
+        trained, fixed, (weights, grads, main, optimizer) = rank_state(cfg, derived, pp_rank, chunks)
     elif cfg.parallel.data_parallel == "fsdp":
         from megatron_hydra.planning.fsdp import chunk_params, fsdp_state_bytes
 
         held = [p for layers, pre, post in chunks for p in chunk_params(tc, layers, pre, post, derived.tp)]
+        trained = sum(n for n, _, _ in held)
         weights, grads, main, optimizer, gathered = fsdp_state_bytes(held, tc.params_dtype, derived.dp * derived.cp,
                                                                      derived.pp, derived.num_microbatches)
     else:
+        numels = [n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp, trains=True)]
+        fixed = sum(n for layers, pre, post in chunks for n in chunk_numels(tc, layers, pre, post, derived.tp, False))
         padded, shard = flat_buffer(numels, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                     cfg.optim.distributed_optimizer)
-        weights, grads, main, optimizer = state_bytes(params, tc.params_dtype, shard, padded)
+        trained = sum(numels)
+        weights, grads, main, optimizer = state_bytes(trained, tc.params_dtype, shard, padded, fixed)
+    params = trained + fixed
     per_chunk = [_chunk_activations(tc, stacks(tc, layer, len(r), r.start)) for r in chunk_ranges(cfg, derived, pp_rank)]
     if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
         from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
@@ -453,9 +467,12 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     activations = flight * sum(stored for stored, _ in per_chunk) / len(chunks) + max(replay for _, replay in per_chunk)
     embedding, head = outside
     activations += per_chunk_flight * (embedding * any(c[1] for c in chunks) + head * any(c[2] for c in chunks))
+    buffers = _buffer_bytes(cfg, derived, pp_rank, chunks)
+    shards = derived.dp * derived.cp if cfg.parallel.data_parallel == "fsdp" else 1
     row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
                      round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered,
-                     context_parallel.rank_buffer_bytes(cfg, derived), _buffer_bytes(cfg, derived, pp_rank, chunks))
+                     context_parallel.rank_buffer_bytes(cfg, derived), buffers, frozen_params=fixed,
+                     reference_bytes=frozen.reference_bytes(cfg.objective.name, tc, params, buffers, shards))
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
 
@@ -508,11 +525,14 @@ def checkpoint_share_bytes(cfg: RunConfig, derived: Derived, row: RankMemory) ->
     state = row.main_weight_bytes + row.optimizer_bytes
     if cfg.parallel.data_parallel == "fsdp":
         return row.weight_bytes + state
-    return row.weight_bytes // dp + (state if cfg.optim.distributed_optimizer else state // dp)
+    saved = row.weight_bytes - row.frozen_params * derived.transformer.params_dtype.itemsize  # LoRA: the adapters
+    return saved // dp + (state if cfg.optim.distributed_optimizer else state // dp)
 
 
-def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
-    """Bytes per distinct rank position of the run ``cfg`` (module docstring)."""
+def plan_memory(cfg: RunConfig, derived: Derived, compare: bool = True) -> MemoryPlan:
+    """Bytes per distinct rank position of the run ``cfg`` (module docstring). ``compare=False``:
+    no note that plans the run again with every weight trained (LoRA; the layout search's and the
+    fit check's many plans need none)."""
     device_bytes, source = device_memory(cfg)
     layer = _layer_shape(cfg, derived)
     outside = outside_layers(cfg, derived, layer)
@@ -530,6 +550,7 @@ def plan_memory(cfg: RunConfig, derived: Derived) -> MemoryPlan:
         notes.append(f"checkpoint.async_save: a rank stages its share of a checkpoint in host memory "
                      f"({'pinned, ' if cfg.trainer.accelerator == 'gpu' else ''}up to {staged / 2**30:.2f} GiB), "
                      "not on the device")
-    flops = model_flops_per_step(derived.transformer, derived.global_batch_size)
+    notes += frozen.plan_notes(cfg, derived, rows, plan_memory if compare else None)
+    flops = model_flops_per_step(derived.transformer, derived.global_batch_size, cfg.objective.name == "dpo")
     notes.append(f"model FLOPs per step (global batch {derived.global_batch_size}): {flops:.3e}")
     return MemoryPlan(_merge(rows), device_bytes, _title(cfg, derived), source, notes)

@@ -52,6 +52,7 @@ from typing import List, Tuple
 from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning import frozen
 from megatron_hydra.planning.activations import activation_bytes_per_layer, embedding_bytes, head_bytes
 from megatron_hydra.planning.state_bytes import buffer_bytes
 
@@ -67,9 +68,10 @@ class StackBytes:
     checkpointed: float
 
 
-def chunk_parameters(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> Tuple[Tuple[int, bool], ...]:
-    """(elements, TP-sharded) of each parameter of a chunk, in parameter order, built on the meta
-    device at tp=1 with the family's own model class (``models.archs``). T5 is one whole model."""
+def chunk_parameters(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool) -> Tuple[Tuple[int, bool, bool], ...]:
+    """(elements, TP-sharded, LoRA adapter) of each parameter of a chunk, in parameter order, built
+    on the meta device at tp=1 with the family's own model class (``models.archs``). T5 is one
+    whole model."""
     return _chunk_tensors(tcfg, num_layers, pre, post)[0]
 
 
@@ -82,6 +84,7 @@ def chunk_buffer_bytes(tcfg: TransformerConfig, num_layers: int, pre: bool, post
 @lru_cache(maxsize=None)
 def _chunk_tensors(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bool):
     from megatron_hydra.models.archs import ARCHS
+    from megatron_hydra.parallel.lora import is_adapter
     from megatron_hydra.parallel.state import ParallelState
 
     build, ps = ARCHS[tcfg.arch].build, ParallelState.single()
@@ -89,7 +92,8 @@ def _chunk_tensors(tcfg: TransformerConfig, num_layers: int, pre: bool, post: bo
         model = build(tcfg, ps, device="meta")
     else:
         model = build(tcfg, ps, layers=range(num_layers), pre_process=pre, post_process=post, device="meta")
-    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None) for p in model.parameters())
+    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_adapter(p))
+                   for p in model.parameters())
     return params, buffer_bytes(model)
 
 
@@ -122,7 +126,11 @@ def stacks(tc: TransformerConfig, layer: dict, num_layers: int, first: int = 0) 
 
     if tc.arch != "t5":
         windowed = sum(_binds(tc.windowed(i), layer["seq"]) for i in range(first, first + num_layers))
-        kinds = [(n, stack(n, {**layer, "window": w})) for n, w in ((num_layers - windowed, False), (windowed, True)) if n]
+        def lora(recompute=None, **shape) -> float:  # what LoRA changes (0 without it)
+            return frozen.layer_bytes(tc, shape, recompute)
+
+        kinds = [(n, stack(n, {**layer, "window": w}, lora)) for n, w in ((num_layers - windowed, False), (windowed, True))
+                 if n]
         return [StackBytes(num_layers, *(sum(n * getattr(k, key) for n, k in kinds) / max(1, num_layers)
                                          for key in ("full", "selective", "checkpointed")))]
     decoder = {**layer, "seq": tc.decoder_seq_length}
@@ -141,7 +149,11 @@ def outside_layers(cfg: RunConfig, derived: Derived, shape: dict) -> Tuple[float
     s, b, h, v, m = shape["seq"] / derived.cp, shape["micro_batch"], shape["hidden"], shape["value_bytes"], shape["mask_bytes"]
     drop = tc.hidden_dropout > 0
     if tc.arch == "gpt":
-        return embedding_bytes(tc, shape, s, derived.tp), head_bytes(tc, shape, s, derived.tp)
+        embedding = embedding_bytes(tc, shape, s, derived.tp)
+        first, last = frozen.outside_bytes(tc, shape, embedding, s)  # LoRA: the frozen ends keep less
+        if tc.recompute_granularity != "full":  # the first layer, unless it is a checkpointed region
+            first += frozen.first_layer_bytes(tc, {**shape, "window": _binds(tc.windowed(0), shape["seq"])})
+        return embedding + first, head_bytes(tc, shape, s, derived.tp) + last
     if tc.arch == "bert":
         embedding = embedding_bytes(tc, shape, s, derived.tp) + 16 * s * b + v * s * b * h
         head = head_bytes(tc, shape, s, derived.tp) + 2 * v * s * b * h + (2 * v * b * h if tc.binary_head else 0)

@@ -25,7 +25,8 @@ w = max(v, 4) the router's (fp32 for 16-bit models):
 
 Balanced routing is assumed (each expert gets T k / E of a rank's assignments; real loads vary
 around it, and so does the memory of each EP rank's experts); the totals over experts do not
-depend on ep. Under full recomputation a recomputed MoE layer keeps only its input like a dense
+depend on ep. Under LoRA the experts are frozen and have no adapters; these terms stay those of
+trained experts (``planning.frozen``). Under full recomputation a recomputed MoE layer keeps only its input like a dense
 one, and its replay adds these terms.
 """
 
@@ -38,6 +39,7 @@ from megatron_hydra.config.derive import Derived
 from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.pipeline import stage_indices, stage_layers
+from megatron_hydra.planning import frozen
 from megatron_hydra.planning.state_bytes import GATED_ACTIVATIONS, buffer_bytes, shape_only, state_bytes
 
 
@@ -65,22 +67,25 @@ def _chunk_params(tcfg: TransformerConfig, first: int, last: int, pre: bool, pos
                   ep: int) -> Tuple[Tuple[int, bool, bool], ...]:
     from megatron_hydra.models.gpt import GPTModel
     from megatron_hydra.parallel.data_parallel import is_expert
+    from megatron_hydra.parallel.lora import is_adapter
     from megatron_hydra.parallel.state import AXES, ParallelState
 
     ps = ParallelState(sizes={**{a: 1 for a in AXES}, "dp": ep}, ep=ep)  # EP rank 0: E / ep experts
     model = GPTModel(tcfg, ps, layers=range(first, last), pre_process=pre, post_process=post, device="meta")
-    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_expert(p))
-                   for p in model.parameters())
+    params = tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_expert(p),
+                    tcfg.lora is None or is_adapter(p)) for p in model.parameters())
     return params, buffer_bytes(model)
 
 
 def chunk_params(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, tp: int,
-                 ep: int, whole_experts: bool = False) -> List[Tuple[int, bool]]:
+                 ep: int, whole_experts: bool = False, trains: Optional[bool] = None) -> List[Tuple[int, bool]]:
     """(elements on one TP rank, is an expert parameter) of a chunk's parameters, in model order.
-    ``whole_experts``: the experts are not split over TP (``expert_tensor_parallel_size=1``)."""
+    ``whole_experts``: the experts are not split over TP (``expert_tensor_parallel_size=1``);
+    ``trains``: only those that train (True) or only LoRA's frozen base (False), else all."""
 
     held = _chunk_params(shape_only(tcfg), layers.start, layers.stop, pre, post, ep)[0]
-    return [(n // tp if sharded and not (whole_experts and expert) else n, expert) for n, sharded, expert in held]
+    return [(n // tp if sharded and not (whole_experts and expert) else n, expert)
+            for n, sharded, expert, trained in held if trains is None or trained == trains]
 
 
 def chunk_buffer_bytes(tcfg: TransformerConfig, layers: range, pre: bool, post: bool, ep: int) -> int:
@@ -116,16 +121,21 @@ def flat_buffer(params: List[Tuple[int, bool]], bucket_size: int, dp: int, exper
     return layout[-1][2], sum((end - start) // size for _, start, end, size in layout)
 
 
-def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[int, Tuple[int, int, int, int]]:
-    """(parameters, (weights, grads, main weights, optimizer) bytes) of one rank of an MoE run."""
+def rank_state(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> Tuple[int, int, Tuple[int, int, int, int]]:
+    """(trained parameters, frozen parameters (LoRA's base), (weights, grads, main weights,
+    optimizer) bytes) of one rank of an MoE run."""
 
     tc = derived.transformer
-    params = [p for (_, pre, post), layers in zip(chunks, chunk_ranges(cfg, derived, pp_rank))
-              for p in chunk_params(tc, layers, pre, post, derived.tp, derived.ep, derived.etp is not None)]
+
+    def held(trains: bool) -> List[Tuple[int, bool]]:
+        return [p for (_, pre, post), layers in zip(chunks, chunk_ranges(cfg, derived, pp_rank))
+                for p in chunk_params(tc, layers, pre, post, derived.tp, derived.ep, derived.etp is not None, trains)]
+
+    params, fixed = held(True), sum(n for n, _ in held(False))  # LoRA: the frozen base holds weights alone
     numel = sum(n for n, _ in params)
     padded, shard = flat_buffer(params, cfg.parallel.grad_bucket_size, derived.dp * derived.cp,
                                 expert_dp_size(derived), cfg.optim.distributed_optimizer)
-    return numel, state_bytes(numel, tc.params_dtype, shard, padded)
+    return numel, fixed, state_bytes(numel, tc.params_dtype, shard, padded, fixed)
 
 
 def layer_delta_bytes(tc: TransformerConfig, layer: dict) -> float:
@@ -154,6 +164,7 @@ def chunk_activation_deltas(cfg: RunConfig, derived: Derived, pp_rank: int, laye
 
     tc = derived.transformer
     delta = layer_delta_bytes(tc, {**layer, "ep": derived.ep, "whole_experts": derived.etp is not None})
+    delta -= frozen.layer_bytes(tc, layer) - frozen.layer_bytes(tc, layer, mlp=False)  # LoRA: no dense MLP here
     out = []
     for layers in chunk_ranges(cfg, derived, pp_rank):
         moe = [i in tc.moe_layers for i in layers]

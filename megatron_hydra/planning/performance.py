@@ -132,6 +132,9 @@ project):
   (``v = 1``: ``max(0, R - B)``). With the distributed optimizer the bf16 weights' all-gather
   ``A`` hides the same way behind the forward ``F`` of the next step's first micro-batch.
 
+LoRA (frozen weights' gradient matmuls skipped, adapters' added and alone reduced over DP) and
+DPO (the reference's forward-only pipeline pass first; its CP and EP exchanges left out): ``planning.frozen``.
+
 Matmul efficiency per GPU generation: ``eta`` is looked up by ``cluster.gpu`` in
 ``Constants.gpu_eta`` (``planning.calibration.CALIBRATED``), ``Constants.eta`` for the rest.
 
@@ -153,7 +156,8 @@ from typing import Optional, Tuple
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
-from megatron_hydra.planning.flops import loss_tokens, window_keys
+from megatron_hydra.planning import frozen
+from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step, window_keys
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -217,6 +221,7 @@ class Layout:
     fp8: bool = False  # precision.fp8
     tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
     pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
+    reference_forward: bool = False  # objective=dpo: the reference model's forward pass before each step
 
 
 @dataclass(frozen=True)
@@ -371,6 +376,8 @@ def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
     experts = 0.0
     if moe is not None:
         experts = _moe_fraction(tc) * _mlp_units(tc) * tc.hidden_size * moe.ffn_hidden_size * moe.num_experts / lay.ep
+    if tc.lora is not None:  # only the adapters have gradients (planning.frozen)
+        return frozen.adapter_params_per_rank(tc, lay.tp, tc.num_layers / lay.pp, frozen.dense_layers(tc) / lay.pp), 0.0
     dense = sum(st.layers * st.params for st in layer_stacks(tc)) / lay.pp
     embedding = tc.padded_vocab_size * tc.hidden_size
     return (dense + embedding) / lay.tp, tc.num_layers / lay.pp * experts / (1 if lay.whole_experts else lay.tp)
@@ -409,7 +416,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     head_tokens = b * loss_tokens(tc) / cp
     head_fwd = (head_tokens * 2 * h * tc.padded_vocab_size / t / peak
                 + c.kappa * ACT_BYTES * head_tokens * 4 * tc.padded_vocab_size / t / hbm)
-    stage_time = per_gpu(lambda x: 3 * x.fwd + x.extra) + 3 * head_fwd  # the last stage is the slowest
+    head_skipped = head_tokens * 2 * h * tc.padded_vocab_size / t / peak if tc.lora is not None else 0.0  # frozen
+    stage_time = per_gpu(lambda x: 3 * x.fwd + x.extra - x.skipped) + 3 * head_fwd - head_skipped  # the last stage
+    reference = per_gpu(lambda x: x.fwd - x.adapters) + head_fwd if lay.reference_forward else 0.0
 
     # Tensor-parallel collectives (per layer and micro-batch, on the critical path).
     tp_stage = per_gpu(lambda x: x.tp)
@@ -417,24 +426,24 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     ep_stage = layers_per_gpu * _moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
 
     # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
-    busy = m * stage_time
-    bubble = (p - 1) / v * stage_time
+    busy = m * (stage_time + reference)
+    bubble = (p - 1) / v * (stage_time + reference)
     if p > 1:
         link = cluster.ib_gb_per_s if t * cp * d >= cluster.gpus_per_node else cluster.nvlink_gb_per_s
         p2p = _ring_time(tokens_mb * h * ACT_BYTES / t, link, c)
-        pp_comm = (2 * v * m + 2 * (p - 1)) * p2p
+        pp_comm = (2 * v * m + 2 * (p - 1) + (v * m + p - 1) * lay.reference_forward) * p2p
         if lay.pp_comm_overlap and v > 1:  # steady-state transfers behind the next chunk's compute
             chunk_fwd, chunk_bwd = per_gpu(lambda x: x.fwd) / v, per_gpu(lambda x: 2 * x.fwd + x.extra) / v
             pp_comm = v * m * (max(0.0, p2p - chunk_fwd) + max(0.0, p2p - chunk_bwd)) + 2 * (p - 1) * p2p
     else:
         pp_comm = 0.0
-    tp_comm = (m + (p - 1) / v) * tp_stage
+    tp_comm = (m + (p - 1) / v) * (tp_stage + (per_gpu(lambda x: x.tp_forward) if lay.reference_forward else 0.0))
     cp_comm = (m + (p - 1) / v) * cp_stage
     ep_comm = (m + (p - 1) / v) * ep_stage
 
     # Data-parallel gradient reduction, over the d x cp ranks that hold the same weights.
     dp_comm, dc = 0.0, d * cp
-    backward_of_last = per_gpu(lambda x: 2 * x.fwd + x.extra) + 2 * head_fwd
+    backward_of_last = per_gpu(lambda x: 2 * x.fwd + x.extra - x.skipped) + 2 * head_fwd - head_skipped
     if dc > 1 and lay.fsdp:
         dp_comm = _fsdp_comm(tc, lay, m, cluster, c, stage_time, backward_of_last)
     elif dc > 1:
@@ -459,6 +468,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     gpus = t * p * cp * d
     layer_flops = sum(st.tokens * st.layers * (sum(st.projections) + st.attention) for st in layer_stacks(tc))
     model_flops = 3 * global_batch * (layer_flops + loss_tokens(tc) * 2 * h * tc.padded_vocab_size)
+    if tc.lora is not None or lay.reference_forward:  # GPT-family only
+        model_flops = model_flops_per_step(tc, global_batch, lay.reference_forward)
     replayed = sum(st.tokens * st.layers * {None: 0.0, "selective": st.attention if lay.cp == 1 else 0.0,
                                             "full": sum(st.projections) + st.attention}[lay.recompute]
                    for st in layer_stacks(tc))
@@ -473,6 +484,9 @@ class _LayerSeconds:
     extra: float  # what recompute replays of it in the backward
     attention: float  # its attention's matmuls and memory-bound passes (the forward of one CP block x cp)
     tp: float  # its exposed tensor-parallel collectives
+    skipped: float = 0.0  # LoRA: the frozen weights' gradient matmuls its backward skips (as long as the forward's)
+    adapters: float = 0.0  # LoRA: its adapters' forward matmuls (in ``fwd``)
+    tp_forward: float = 0.0  # its forward's tensor-parallel collectives (DPO's reference pass)
 
 
 def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: ClusterConfig, c: Constants,
@@ -486,7 +500,8 @@ def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: 
         score_passes = c.c_capped * st.capped
     else:
         mm_attn, score_passes = tokens_mb * st.attention_dense / t / peak, c.c_s
-    mm_dense = sum(projections)
+    adapters = tokens_mb * frozen.adapter_flops_per_rank(tc, t) / peak  # LoRA's, in bf16 (0 without)
+    mm_dense = sum(projections) + adapters
     h_rep = tc.hidden_size / t if lay.sequence_parallel else tc.hidden_size
     x = _moe_fraction(tc)
     f = (1 - x) * tc.ffn_hidden_size + x * _mlp_widths(tc)[1]
@@ -497,7 +512,9 @@ def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: 
     fwd = mm_dense + mm_attn + mem_h + mem_s
     selective = 0.0 if lay.cp > 1 else mm_attn + mem_s  # CP attention is not replayed (selective)
     extra = {None: 0.0, "selective": selective, "full": fwd}[lay.recompute]
-    return _LayerSeconds(fwd, extra, mm_attn + mem_s, tp_layer_seconds(tc, lay, cluster, c, projections, st))
+    return _LayerSeconds(fwd, extra, mm_attn + mem_s, tp_layer_seconds(tc, lay, cluster, c, projections, st),
+                         sum(projections) * (tc.lora is not None), adapters,
+                         tp_layer_seconds(tc, lay, cluster, c, projections, st, forward_only=True))
 
 
 def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
@@ -508,11 +525,12 @@ def _chunk_overlap(comm: float, compute: float, v: int, p: int) -> float:
 
 
 def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig, c: Constants,
-                     projections: list, stack: Optional[LayerStack] = None) -> float:
+                     projections: list, stack: Optional[LayerStack] = None, forward_only: bool = False) -> float:
     """Exposed seconds of one layer's tensor-parallel collectives per micro-batch on one GPU;
     ``projections`` are the forward seconds of the layer's matmuls (QKV, output, MLP in, MLP out),
     ``stack`` the layer's kind (default: GPT's layers). The communication overlap pairs those four
-    matmuls with their collectives; T5's decoder layers (more of both) run without it."""
+    matmuls with their collectives; T5's decoder layers (more of both) run without it.
+    ``forward_only``: a forward pass's alone (DPO's reference), not overlapped."""
     t = lay.tp
     if t == 1:
         return 0.0
@@ -523,6 +541,8 @@ def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig,
     def message(tokens: int) -> float:  # bytes per GPU of an all-reduce over ``tokens`` per sample
         return 2 * (t - 1) / t * lay.micro_batch * tokens / lay.cp * tc.hidden_size * ACT_BYTES
 
+    if forward_only:
+        return sum(_ring_time(message(n), link, c) for n in st.tp_forward)
     exposed = ((1 + replays) * sum(_ring_time(message(n), link, c) for n in st.tp_forward)
                + sum(_ring_time(message(n), link, c) for n in st.tp_backward))
     if not lay.tp_comm_overlap or len(projections) != 4:
@@ -582,7 +602,3 @@ def _fsdp_comm(tc: TransformerConfig, lay: Layout, m: float, cluster: ClusterCon
     gather = gathers * _ring_time((d - 1) / d * params * ACT_BYTES, link, c, blocks)
     reduce = _ring_time((d - 1) / d * params * GRAD_BYTES, link, c, blocks)
     return m * max(0.0, gather - stage_time) + max(0.0, reduce - backward_of_last)
-
-
-def with_constants(eta: float, kappa: float) -> Constants:
-    return replace(SC21_FIT, eta=eta, kappa=kappa)

@@ -99,10 +99,12 @@ def predicted_tflops(row: SC21Row, cluster, constants=None) -> float:
 def fit(cluster, rows: List[SC21Row] = TABLE1) -> Tuple[float, float, float]:
     """(eta, kappa, rms relative error): the least-squares fit of the two free constants to the
     published TFLOP/s per GPU, by a grid search refined twice around its best point."""
-    from megatron_hydra.planning.performance import with_constants
+    from dataclasses import replace
+
+    from megatron_hydra.planning.performance import SC21_FIT
 
     def loss(eta: float, kappa: float) -> float:
-        c = with_constants(eta, kappa)
+        c = replace(SC21_FIT, eta=eta, kappa=kappa)
         return sum((predicted_tflops(r, cluster, c) / r.tflops_per_gpu - 1) ** 2 for r in rows) / len(rows)
 
     eta, kappa, step_eta, step_kappa = 0.7, 1.0, 0.05, 0.5

@@ -14,14 +14,16 @@ HALF = (torch.bfloat16, torch.float16)
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
-def state_bytes(numel: int, dtype: torch.dtype, shard: Optional[int] = None, padded: Optional[int] = None):
-    """(weights, grads, main weights, optimizer state) bytes of ``numel`` parameters on one rank.
-    ``shard``: the elements this rank's optimizer owns (distributed optimizer; default all);
-    ``padded``: the length of the flat buffers when padded for sharding (default ``numel``)."""
+def state_bytes(numel: int, dtype: torch.dtype, shard: Optional[int] = None, padded: Optional[int] = None,
+                frozen: int = 0):
+    """(weights, grads, main weights, optimizer state) bytes of ``numel`` trained parameters on one
+    rank. ``shard``: the elements this rank's optimizer owns (distributed optimizer; default all);
+    ``padded``: the length of the flat buffers when padded for sharding (default ``numel``);
+    ``frozen``: elements that do not train (LoRA's base, ``planning.frozen``), weights alone."""
     item = dtype.itemsize
     shard = numel if shard is None else shard
     length = numel if padded is None else padded
-    weights = length * item
+    weights = (length + frozen) * item
     grads = length * (4 if dtype in HALF else item)
     main = shard * 4 if dtype in HALF else 0
     optimizer = 2 * shard * (8 if dtype == torch.float64 else 4)

@@ -8,9 +8,11 @@ the model stage of this rank, ``MegatronStrategy``'s gradient buffer, the optimi
 weights, distributed optimizer, fp16 loss scaler), the pipeline schedule, one
 ``training.step.TrainStep`` (forward, backward, optimizer step over every micro-batch of the
 global batch) and the checkpoint's save planning (the state dict of logical names and
-``torch.distributed.checkpoint``'s local save plan; nothing is written). So it fails where the GPU
-run would: a CPU tensor meeting a GPU one, mixed dtypes under bf16/fp16, a shape that is wrong
-at full size, a group that does not exist.
+``torch.distributed.checkpoint``'s local save plan; nothing is written; under ``peft=lora`` the
+adapters', as training saves them). With ``objective=dpo`` the step runs the reference model's
+forward-only pass first, and the frozen copy it runs without LoRA is built like the policy. So
+it fails where the GPU run would: a CPU tensor meeting a GPU one, mixed dtypes under bf16/fp16, a
+shape that is wrong at full size, a group that does not exist.
 
 Memory per rank is measured by torch's ``MemTracker`` over the fake tensors, by category, and is
 printed beside ``mode=plan``'s row for the same pipeline rank: the state after the step (weights,
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hydra.config import Derived, RunConfig
+from megatron_hydra.config.schema import PACKED_DOCUMENT_DATA
 from megatron_hydra.data.sequence_shards import shard_batch
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.parallel.state import ParallelState, coordinates
@@ -148,18 +151,20 @@ def _fake_batch(cfg: RunConfig, derived: Derived, ps: ParallelState) -> Dict[str
     # The EOD options add their fields (data.packed_documents), so the step runs the masked attention.
     # Packed fine-tuning data (data=sft) always carries both.
     for key, name in (("reset_position_ids", "position_ids"), ("reset_attention_mask", "document_ids")):
-        if tcfg.arch == "gpt" and (getattr(cfg.data, key) or cfg.data.name == "sft"):
+        if tcfg.arch == "gpt" and (getattr(cfg.data, key) or cfg.data.name in PACKED_DOCUMENT_DATA):
             batch[name] = torch.zeros(batch["tokens"].shape, dtype=torch.int64)
     return shard_batch(batch, ps.cp_size, ps.cp_rank)
 
 
 def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
     """The checkpoint's state dict and this rank's local save plan (what ``dcp.save`` plans
-    before writing); returns the number of items planned."""
+    before writing; under LoRA the adapters alone, as training saves them); returns the number of
+    items planned."""
     from megatron_hydra.checkpoint.chunks import SavePlanner
     from megatron_hydra.checkpoint.sharded import state_dict
 
-    sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size)
+    select = "adapters" if derived.transformer.lora is not None else None
+    sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size, select=select)
     planner = SavePlanner()
     planner.set_up_planner(sd, is_coordinator=dist.get_rank() == 0)
     return len(planner.create_local_plan().items)

@@ -104,7 +104,7 @@ class LMModule(pl.LightningModule):
             self.model = torch.nn.ModuleList(chunks)
         else:
             self.model = build_model(cfg, derived, ps, device)
-        self.flops_per_step = model_flops_per_step(tcfg, derived.global_batch_size)
+        self.flops_per_step = model_flops_per_step(tcfg, derived.global_batch_size, cfg.objective.name == "dpo")
         self.tokens_per_step = derived.global_batch_size * tcfg.seq_length
         # Throughput window: when it started (None: at the next step) and the steps it holds.
         self._window_start: Optional[float] = None
