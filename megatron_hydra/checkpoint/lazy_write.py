@@ -16,7 +16,7 @@ into the run's own; ``meta.json`` with the checksums; the marker last.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -78,16 +78,19 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return all(bool(torch.isfinite(part.float()).all()) for part in t.reshape(-1).split(chunk))
 
 
-def write(path: str, tensors: Mapping[str, LazyTensor], meta: dict) -> None:
-    """Write ``tensors`` (by logical name, in this order) as a weights-only checkpoint into the
-    existing directory ``path``, with ``meta`` as its ``meta.json`` (checksums of every file in
-    ``path`` added, files put there before included), then the marker. A failure is the one line
-    of whatever went wrong (a tensor's own ``CheckpointError``, the system's reason for an
-    ``OSError``), never DCP's wrapper."""
+def write(path: str, tensors: Mapping[str, LazyTensor], meta: dict,
+          optimizer: Optional[Mapping[str, LazyTensor]] = None) -> None:
+    """Write ``tensors`` (by logical name, in this order) as a checkpoint into the existing
+    directory ``path``, with ``meta`` as its ``meta.json`` (checksums of every file in ``path``
+    added, files put there before included), then the marker. ``optimizer``: optimizer entries
+    under their checkpoint keys (``optim/<name>/exp_avg``, ``main/<name>``, ...; none: a
+    weights-only checkpoint). A failure is the one line of whatever went wrong (a tensor's own
+    ``CheckpointError``, the system's reason for an ``OSError``), never DCP's wrapper."""
     state: Dict[str, LazyTensor] = {f"model/{name}": t for name, t in tensors.items()}
+    state.update(optimizer or {})
     writer = dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
     try:
         dcp.save(state, storage_writer=writer, planner=_Planner(), no_dist=True)
     except CheckpointException as e:
         raise dcp_failure(e) from None
-    store.seal(path, {**meta, "has_optimizer": False})
+    store.seal(path, {**meta, "has_optimizer": any(k.startswith("optim/") for k in optimizer or {})})

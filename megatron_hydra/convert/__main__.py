@@ -1,10 +1,13 @@
-"""``python -m megatron_hydra.convert from_hf|to_hf key=value ...``
+"""``python -m megatron_hydra.convert from_hf|to_hf|from_megatron|to_megatron key=value ...``
 
     from_hf input=HF_DIR output=CKPT_DIR [parallel=single|tp2|tp2_pp2|...] [name=MODEL_NAME]
     from_hf input=PEFT_ADAPTER_DIR base=BASE_CKPT output=ADAPTER_CKPT [parallel=...]
     to_hf   input=CKPT_DIR output=HF_DIR [dtype=float32|bfloat16|float16|float64] (default: the checkpoint's own)
     to_hf   input=BASE_CKPT adapter=ADAPTER_CKPT merge=true output=HF_DIR [dtype=...]   (LoRA merged in)
     to_hf   input=ADAPTER_CKPT output=PEFT_DIR [base=HF_NAME_OR_DIR] [dtype=...]      (a peft adapter directory)
+    from_megatron input=MEGATRON_SAVE_DIR output=CKPT_DIR [parallel=...] [name=...] [iteration=N]
+                  (Megatron-LM / Megatron-Core: torch_dist or legacy per-rank files; docs/megatron.md)
+    to_megatron   input=CKPT_DIR output=MEGATRON_DIR   (torch_dist, for Megatron-Core's dist_checkpointing)
 
 Families: GPT-2, Llama (3.1+ RoPE scaling), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3
 (our GPT), BERT, T5; LoRA adapters merged, or as peft adapter directories (docs/hf_interop.md).
@@ -44,7 +47,22 @@ class ToHF:
     base: Optional[str] = None  # a peft adapter directory's base model (name or directory), recorded
 
 
-COMMANDS = {"from_hf": FromHF, "to_hf": ToHF}
+@dataclass
+class FromMegatron:
+    input: str = MISSING
+    output: str = MISSING
+    parallel: str = "single"
+    name: Optional[str] = None
+    iteration: Optional[int] = None  # default: latest_checkpointed_iteration.txt
+
+
+@dataclass
+class ToMegatron:
+    input: str = MISSING
+    output: str = MISSING
+
+
+COMMANDS = {"from_hf": FromHF, "to_hf": ToHF, "from_megatron": FromMegatron, "to_megatron": ToMegatron}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -56,7 +74,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         args = parse_args(COMMANDS[argv[0]], argv[1:])
-        if argv[0] == "from_hf":
+        if argv[0] in ("from_megatron", "to_megatron"):
+            from megatron_hydra.convert import megatron
+
+            print(megatron.from_megatron(args.input, args.output, args.parallel, args.name, args.iteration)
+                  if argv[0] == "from_megatron" else megatron.to_megatron(args.input, args.output))
+        elif argv[0] == "from_hf":
             command = api.from_hf(args.input, args.output, args.parallel, args.name, args.base)
             print(f"imported {args.input} -> {args.output}\nfine-tune it with:\n  {command}")
         else:

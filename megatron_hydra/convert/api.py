@@ -62,7 +62,7 @@ TOKENIZER_BYTES, TOKENIZER_CONFIG_BYTES = 512 * untrusted.MiB, 16 * untrusted.Mi
 CORPUS_PLACEHOLDER = "path/to/corpus_text_document"  # BERT and T5 train on sentence-split data
 
 
-def _composed(parallel: str, arch: str) -> RunConfig:
+def composed_config(parallel: str, arch: str) -> RunConfig:
     """conf/ composed as ``launch.py`` would for ``parallel=<parallel>`` (and, for BERT and T5,
     the data preset they train on)."""
     known = bundled.group_options("parallel")
@@ -71,7 +71,7 @@ def _composed(parallel: str, arch: str) -> RunConfig:
     return bundled.compose([f"parallel={parallel}", *([f"data=indexed_{arch}"] if arch != "gpt" else [])])
 
 
-def _check_layout(cfg: RunConfig) -> None:
+def check_layout(cfg: RunConfig) -> None:
     """The model must split over the layout ``cfg.parallel`` names (derive's checks, with a
     batch any pipeline accepts)."""
     probe = copy.deepcopy(cfg)
@@ -82,7 +82,7 @@ def _check_layout(cfg: RunConfig) -> None:
     derive(probe)
 
 
-def _default_name(hf_dir: str) -> str:
+def default_name(hf_dir: str) -> str:
     base = os.path.basename(os.path.normpath(hf_dir)).lower()
     return re.sub(r"[^a-z0-9_]+", "_", base).strip("_") or "imported"
 
@@ -104,15 +104,15 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
         raise ConfigError(f"input={input}: model_type={kind!r} ({names}) is not "
                           f"supported: supported are {', '.join(FAMILIES)}")
     _check_output(output)
-    name = name or _default_name(input)
+    name = name or default_name(input)
     family = FAMILIES[kind]
     files = hf_files.read_weights(input)
     _check_counts(hf, files)
-    composed = _composed(parallel, family.ARCH)
+    composed = composed_config(parallel, family.ARCH)
     cfg = RunConfig(model=family.model_config(hf, name), parallel=composed.parallel, run_dir="unused")
     if family.ARCH != "gpt":
         cfg.data = composed.data
-    _check_layout(cfg)
+    check_layout(cfg)
     extras = _read(_tokenizer_paths(input, _link_roots(input), "model directory"))
     if TOKENIZER in extras:
         cfg.data.tokenizer = TokenizerConfig(type="hf", path=os.path.join(os.path.abspath(output), TOKENIZER))
@@ -122,7 +122,7 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     layout = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
     with staging.staged(output) as stage:
         standalone.save_tensors(stage, tensors, cfg, derived, layout, files=extras)
-    return _fine_tune_command(cfg, output, parallel)
+    return fine_tune_command(cfg, output, parallel)
 
 
 def _check_output(output: str) -> None:
@@ -135,9 +135,9 @@ def _from_peft(input: str, output: str, parallel: str, base: Optional[str]) -> s
     command that goes on training it (the adapters' settings spelled out, as the run needs them)."""
     _check_output(output)
     if not bundled.has_option("parallel", parallel):
-        _composed(parallel, "gpt")  # the one line listing the layouts
+        composed_config(parallel, "gpt")  # the one line listing the layouts
     peft = lora.import_peft(input, base, output)
-    par = _composed(parallel, "gpt").parallel  # after the import: composing costs a second
+    par = composed_config(parallel, "gpt").parallel  # after the import: composing costs a second
     settings = (f"peft=lora peft.adapter={output} peft.rank={peft.rank} peft.alpha={peft.alpha} "
                 f"peft.dropout={peft.dropout} peft.rslora={str(peft.rslora).lower()} "
                 f"peft.target_modules=[{','.join(peft.target_modules)}]")
@@ -242,7 +242,7 @@ def _read(paths: Dict[str, str]) -> Dict[str, bytes]:
     return {name: untrusted.read_bytes(path, limits[name], name, CheckpointError) for name, path in paths.items()}
 
 
-def _fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
+def fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
     """``launch.py`` continuing from the import: ``model=from_checkpoint`` reads the model from the
     checkpoint's own config, as data (a checkpoint is never a config search path). BERT and T5
     need their sentence-split corpus (``data.blend``), which the user puts in place of the
