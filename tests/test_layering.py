@@ -27,7 +27,7 @@ LEVELS = {
     "convert": 7, "report": 7, "inference": 7,  # inference: the engine and lm-eval adapter, any layout
     "training": 8,
     "launcher": 9,
-    "generate": 10, "evaluate": 10,  # command lines that start jobs through the launcher
+    "generate": 10, "evaluate": 10, "migrate": 10,  # command lines (the first two start jobs through the launcher)
 }
 
 

@@ -1,0 +1,107 @@
+"""The translated overrides composed as launch.py would, held to what the translation meant, and
+(``--check``) run as ``mode=plan`` and a one-step ``mode=dry_run`` of chosen ranks."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+from megatron_hydra.config import RunConfig
+from megatron_hydra.errors import ConfigError, MegatronHydraError, one_line
+from megatron_hydra.migrate.translation import Translation
+
+
+def compose(overrides: Sequence[str]) -> RunConfig:
+    """The typed config of ``overrides`` on a GPU job's terms (``trainer=gpu`` is in them)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_hydra.config.bundled import compose as bundled_compose
+
+    try:
+        return bundled_compose(list(overrides))
+    except MegatronHydraError as e:
+        raise ConfigError(f"the translated overrides do not compose: {one_line(e)}") from None
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"the translated overrides do not compose: {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - Hydra's own errors (an unknown option, a bad override)
+        if type(e).__module__.startswith("hydra"):
+            raise ConfigError(f"the translated overrides do not compose: {one_line(e)}") from None
+        raise
+
+
+def check_composed(t: Translation, cfg: RunConfig) -> None:
+    """Every translated key holds its value in ``cfg``: presets and dropped defaults changed nothing."""
+    for key, value in t.keys.items():
+        got = _get(cfg, key)
+        if not _same(got, value):
+            raise AssertionError(f"{key}: the translation meant {value!r}, the overrides compose to {got!r}")
+
+
+def validate(cfg: RunConfig) -> Optional[str]:
+    """derive's one-line error for ``cfg``, or None when it passes."""
+    from megatron_hydra.config.derive import derive
+
+    try:
+        derive(cfg)
+    except ConfigError as e:
+        return one_line(e)
+    return None
+
+
+def run_check(cfg: RunConfig, ranks: Optional[List[int]]) -> List[str]:
+    """``mode=plan``, then a dry run of ``ranks`` (rank 0 by default): both print their tables.
+    Returns what was changed for the dry run, one line each."""
+    from megatron_hydra.launcher import run
+
+    plan = copy.deepcopy(cfg)
+    plan.mode = "plan"
+    run(plan)
+    dry, changed = dry_run_config(cfg, ranks)
+    for line in changed:
+        print(f"note: {line}")
+    run(dry)
+    return changed
+
+
+def dry_run_config(cfg: RunConfig, ranks: Optional[List[int]]) -> Tuple[RunConfig, List[str]]:
+    """The config the dry run checks: what only a GPU runs is swapped for its CPU stand-in (the
+    same shapes and bytes), each swap said."""
+    from megatron_hydra.config.derive import default_global_batch_size, derive
+
+    dry = copy.deepcopy(cfg)
+    dry.mode = "dry_run"
+    dry.dry_run.ranks = list(ranks) if ranks else [0]
+    changed = []
+    derived = derive(cfg)
+    short = default_global_batch_size(cfg.data.micro_batch_size, derived.dp, derived.pp)
+    if derived.global_batch_size > short:
+        dry.data.global_batch_size = short
+        changed.append(f"the dry run steps data.global_batch_size={short} ({derived.pp} micro-batches per "
+                       f"data-parallel rank, not {derived.num_microbatches}, for time); mode=plan above is the "
+                       "full step's")
+    if dry.model.transformer_impl != "local":
+        dry.model.transformer_impl = "local"
+        changed.append("the dry run runs model.transformer_impl=local (Transformer Engine's kernels need a GPU)")
+        if dry.precision.fp8 is not None:
+            dry.precision.fp8 = None
+            changed.append("...and bf16 without FP8 (FP8 is Transformer Engine's)")
+    if dry.recompute.granularity and dry.model.attention_dropout:
+        dry.model.attention_dropout = 0.0
+        changed.append("the dry run sets model.attention_dropout=0 (dropout under recompute aborts on its stand-in "
+                       "device; no shape or byte changes)")
+    return dry, changed
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
