@@ -506,6 +506,10 @@ def _run(cfg: RunConfig) -> Optional[float]:
                               "trains with (e.g. data.global_batch_size=1536)")
         run_planner(cfg)  # plans for cfg.cluster, not for this config's own layout
         return None
+    if cfg.mode in ("generate", "evaluate") and cfg.peft.adapter is not None:
+        from megatron_hydra.checkpoint.adapters import adopt
+
+        cfg = adopt(cfg, cfg.peft.adapter)  # a checkpoint's adapters bring their own peft settings
     derived = derive(cfg)
     if cfg.mode == "plan":  # the per-rank memory table, no workers
         from megatron_hydra.planning.memory import plan_memory

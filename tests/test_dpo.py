@@ -324,6 +324,14 @@ def test_launch_trains_dpo_with_lora_and_logs_rewards(tmp_path):
     assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert rows[0]["rewards/margins"] == 0.0 and rows[0]["rewards/accuracy"] == 0.0
     assert rows[1]["rewards/margins"] > 0 and rows[1]["loss"] < rows[0]["loss"]
+    # From trained adapters (peft.adapter: SFT with LoRA, then DPO) the reference is base + those
+    # adapters, the model the run starts from: log 2 again, where the bare base would not give it.
+    from megatron_hydra.checkpoint import store
+
+    trained = store.latest(str(tmp_path / "run" / "checkpoints"))
+    again = run_training([*_pairs_file(tmp_path), "peft=lora", "peft.rank=4", "trainer.max_steps=1",
+                          f"peft.adapter={trained}"], tmp_path / "again")
+    assert again[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and again[0]["rewards/margins"] == 0.0
 
 
 def test_launch_loads_the_frozen_reference_from_checkpoint_load(tmp_path):
@@ -344,3 +352,9 @@ def test_launch_loads_the_frozen_reference_from_checkpoint_load(tmp_path):
     rows = run_training([*overrides, f"checkpoint.load={tmp_path / 'start'}", "checkpoint.load_optimizer=false"],
                         tmp_path / "run")
     assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and rows[0]["rewards/chosen"] == 0.0
+    # Resuming it without its checkpoint.load would give the copy the seeded weights: one line first.
+    from conftest import preflight_error
+
+    message = preflight_error(tmp_path, *overrides, f"checkpoint.dir={tmp_path / 'run' / 'checkpoints'}",
+                              "trainer.max_steps=2")
+    assert "continues a DPO run whose reference is checkpoint.load=" in message and "set checkpoint.load=" in message

@@ -268,14 +268,14 @@ def _generate_at(rank, world, base, adapter, tokenizer, run_dir):
     from megatron_hydra.inference.engine import Engine
     from megatron_hydra.parallel.state import ParallelState
     from megatron_hydra.training.inference_cli import job_config
-    from megatron_hydra.training.inference_job import load_stage, with_adapters
+    from megatron_hydra.training.inference_job import load_stage
 
     tok = HFTokenizer(tokenizer)
     out = {}
     for layout in ("parallel=tp2", "parallel=pp2"):
         cfg = job_config("generate", base, [layout, f"trainer.devices={world}", f"peft.adapter={adapter}"], [],
                          tokenizer, run_dir, 0, None)
-        cfg, derived = with_adapters(cfg, derive(cfg))
+        derived = derive(cfg)  # job_config took the adapters' peft settings (checkpoint.adapters.adopt)
         ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp)
         chunks = load_stage(cfg, derived, ps, torch.device("cpu"))
         if derived.tp == 2:

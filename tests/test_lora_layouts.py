@@ -30,6 +30,9 @@ LAYOUTS = {
     "pp2_1f1b": ["parallel.pipeline_parallel_size=2"],
     "pp2_interleaved": ["parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=2",
                         "parallel.pipeline_schedule=interleaved_1f1b"],
+    "pp2_zero_bubble": ["parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=2",
+                        "parallel.pipeline_schedule=zero_bubble"],
+    "pp2_zbv": ["parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zbv"],
     "dp2_distributed_optimizer": ["optim.distributed_optimizer=true"],
     "cp2": ["parallel.context_parallel_size=2"],
 }

@@ -159,7 +159,9 @@ def _forward_kept(monkeypatch, cfg, derived, rank=0):
     ("peft.target_modules=[proj,fc2]", "peft.dropout=0.1", "model.hidden_dropout=0.1"),
     # DPO under LoRA: every target, a packed preference batch (document masks); no reference copy
     ("data=preference", "objective=dpo"),
-], ids=["proj_fc2_dropout", "dpo"])
+    # q, k and v adapters drop their input with masks of their own
+    ("peft.target_modules=[qkv,fc1]", "peft.dropout=0.1"),
+], ids=["proj_fc2_dropout", "dpo", "qkv_dropout"])
 def test_forward_keeps_what_the_plan_says(monkeypatch, overrides):
     cfg, derived = _cfg("trainer.devices=1", "data.micro_batch_size=1", "data.global_batch_size=1",
                         "model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8",

@@ -13,6 +13,7 @@ config), so all four must be this run's. Everything here is file metadata: no to
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
@@ -24,6 +25,9 @@ from megatron_hydra.config.io import from_yaml
 from megatron_hydra.config.peft import TARGETS
 from megatron_hydra.config.schema import PeftConfig
 from megatron_hydra.errors import CheckpointError
+from megatron_hydra.parallel.lora import is_down_projection
+
+log = logging.getLogger("megatron_hydra")
 
 
 def trained_base(path: str, meta: dict) -> Optional[str]:
@@ -48,7 +52,7 @@ def adapter_targets(names) -> Tuple[str, ...]:
 def adapter_rank(shapes: Dict[str, List[int]]) -> Optional[int]:
     """The rank of the adapters in ``shapes``: the rows of every A (``...lora.a``, ``...lora.a_q``)."""
     ranks = {shape[0] for name, shape in shapes.items()
-             if is_adapter_name(name) and name.rpartition(".")[2].startswith("a") and shape}
+             if is_adapter_name(name) and is_down_projection(name) and shape}
     return ranks.pop() if len(ranks) == 1 else None
 
 
@@ -110,6 +114,9 @@ def check_settings(path: str, key: str, meta: dict, cfg: RunConfig, targets: Tup
         raise CheckpointError(f"{key}={path} holds adapters trained on the base checkpoint.load={base}, but this run "
                               f"has no checkpoint.load (its base would be the seeded initial model): add "
                               f"checkpoint.load={base}")
+    if base and os.path.realpath(base) != os.path.realpath(cfg.checkpoint.load):
+        log.warning("%s=%s holds adapters trained on checkpoint.load=%s, and this run's base is %s: the shapes fit, "
+                    "make sure it is the same model (a moved copy of it is)", key, path, base, cfg.checkpoint.load)
 
 
 def adopt(cfg: RunConfig, path: str) -> RunConfig:

@@ -78,7 +78,24 @@ def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
     adapters.refuse_adapter_only(path, "checkpoint.load", found)
     check_shapes(path, found["shapes"], logical_shapes(derived), found["has_optimizer"],
                  cfg.checkpoint.load_optimizer)
+    if cfg.objective.name == "dpo" and path != cfg.checkpoint.load:
+        _check_reference(cfg, derived, path, found)
     return {"path": path, **found}
+
+
+def _check_reference(cfg: RunConfig, derived: Derived, resumed: str, found: dict) -> None:
+    """A DPO run resumed from its own checkpoints keeps its reference, the starting model: the
+    same ``checkpoint.load`` as the run it continues (its frozen copy is loaded from there)."""
+    started = adapters.stored_config(resumed, found).checkpoint.load
+    ours = cfg.checkpoint.load
+    if (started and os.path.realpath(started)) != (ours and os.path.realpath(ours)):
+        raise CheckpointError(f"checkpoint.dir={os.path.dirname(resumed)} continues a DPO run whose reference is "
+                              f"checkpoint.load={started}, but this run has checkpoint.load={ours}: set "
+                              f"checkpoint.load={started}, or give this run another checkpoint.dir")
+    if ours:
+        base = store.validate(ours)
+        adapters.refuse_adapter_only(ours, "checkpoint.load", base)
+        check_shapes(ours, base["shapes"], logical_shapes(derived), base["has_optimizer"], False)
 
 
 def _lora_start(cfg: RunConfig, derived: Derived, root: str) -> Optional[dict]:
@@ -96,17 +113,24 @@ def _lora_start(cfg: RunConfig, derived: Derived, root: str) -> Optional[dict]:
                                   f"{os.path.basename(resumed)}), which a peft=lora run does not continue: give this "
                                   f"run another checkpoint.dir (to fine-tune that model: checkpoint.load={resumed})")
         _check_adapters(resumed, "checkpoint.dir", found, cfg, shapes, cfg.checkpoint.load_optimizer)
+        if cfg.objective.name == "dpo" and cfg.peft.adapter is not None:  # the reference's adapters
+            _given_adapters(cfg, shapes)
         return {"path": resumed, "base": base, "weights_only": False, **found}
     given = cfg.peft.adapter
     if given is not None:
-        found = store.validate(given, "peft.adapter")
-        adapters.refuse_full(given, "peft.adapter", found)
-        _check_adapters(given, "peft.adapter", found, cfg, shapes, False)
+        _given_adapters(cfg, shapes)
         # A new run from these weights: its own step count, data order and optimizer state.
         return {"path": given, "base": base, "weights_only": True, "step": 0, "consumed_samples": 0}
     if base is None:
         return None
     return {"path": None, "base": base, "weights_only": False, "step": 0, "consumed_samples": 0}
+
+
+def _given_adapters(cfg: RunConfig, shapes: Dict[str, List[int]]) -> None:
+    """``peft.adapter`` is an adapter checkpoint of this run's settings and shapes."""
+    found = store.validate(cfg.peft.adapter, "peft.adapter")
+    adapters.refuse_full(cfg.peft.adapter, "peft.adapter", found)
+    _check_adapters(cfg.peft.adapter, "peft.adapter", found, cfg, shapes, False)
 
 
 def _check_adapters(path: str, key: str, found: dict, cfg: RunConfig, shapes: Dict[str, List[int]],

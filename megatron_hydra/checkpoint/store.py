@@ -165,11 +165,11 @@ def read_meta(path: str, required: Dict[str, type] = REQUIRED_META, key: str = "
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{key}={path} has format version {meta.get('format_version')}, this code "
                               f"reads {FORMAT_VERSION}: convert it or use a matching megatron-hydra")
-    for key, kind in required.items():
-        value = meta.get(key)
-        if key not in meta or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            found = "missing" if key not in meta else f"a {type(value).__name__}"
-            raise CheckpointError(f"{file}: key {key!r} is {found}, expected a {kind.__name__}: the checkpoint is "
+    for field, kind in required.items():
+        value = meta.get(field)
+        if field not in meta or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            found = "missing" if field not in meta else f"a {type(value).__name__}"
+            raise CheckpointError(f"{file}: key {field!r} is {found}, expected a {kind.__name__}: the checkpoint is "
                                   "damaged or not from megatron-hydra; load another one")
     if not isinstance(meta.get("checksums", {}), dict):
         raise CheckpointError(f"{file}: key 'checksums' is not a JSON object: the checkpoint is damaged")

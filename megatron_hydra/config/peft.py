@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron_hydra.config.schema import RunConfig
-from megatron_hydra.config.transformer_config import LoRASpec
+from megatron_hydra.config.transformer_config import LORA_TARGETS, LoRASpec
 from megatron_hydra.errors import ConfigError
 
-TARGETS = ("qkv", "proj", "fc1", "gate", "fc2")  # models.lora's names
+TARGETS = LORA_TARGETS
 GATED = ("swiglu", "geglu")
 
 
@@ -68,8 +68,8 @@ def check_peft(cfg: RunConfig, kv_channels: int, ffn: int, moe_layers=()) -> Non
         (cfg.model.transformer_impl != "local",
          f"model.transformer_impl={cfg.model.transformer_impl} (its fused layers take no adapter): use local"),
         (cfg.parallel.data_parallel == "fsdp",
-         "parallel.data_parallel=fsdp (the frozen base is replicated anyway): use ddp, optionally with "
-         "optim.distributed_optimizer=true for the adapters' state"),
+         "parallel.data_parallel=fsdp (its sharded units take no frozen parameters beside trained ones): use ddp, "
+         "with optim.distributed_optimizer=true to shard the adapters' state"),
     ]
     for bad, what in unsupported:
         if bad:

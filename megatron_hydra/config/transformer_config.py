@@ -70,6 +70,11 @@ class MoESpec:
     shared_ffn_hidden_size: int = 0  # a dense MLP every token goes through too (0: none)
 
 
+# The layers LoRA adapts, by our names (``models.lora``): attention's fused QKV and output
+# projection, the dense MLP's fc1, gate (gated activations) and fc2.
+LORA_TARGETS = ("qkv", "proj", "fc1", "gate", "fc2")
+
+
 @dataclass(frozen=True)
 class LoRASpec:
     """Low-rank adapters on the linear layers named by ``targets`` (``models.lora``), ``peft=lora``."""
@@ -77,7 +82,7 @@ class LoRASpec:
     rank: int
     alpha: float
     dropout: float = 0.0
-    targets: Tuple[str, ...] = ("qkv", "proj", "fc1", "gate", "fc2")
+    targets: Tuple[str, ...] = LORA_TARGETS
     rslora: bool = False
 
     @property

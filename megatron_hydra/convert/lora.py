@@ -48,6 +48,7 @@ from megatron_hydra.config.schema import PeftConfig
 from megatron_hydra.config.transformer_config import LoRASpec, TransformerConfig
 from megatron_hydra.convert import hf_files, peft_config, staging
 from megatron_hydra.convert.families import family_for
+from megatron_hydra.parallel.lora import is_down_projection
 from megatron_hydra.convert.mapping import fuse_qkv
 from megatron_hydra.convert.name_map import IDENTITY, QKV
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -69,7 +70,7 @@ def adapted(adapter_names: Iterable[str]) -> Dict[str, List[Tuple[str, str]]]:
     out: Dict[str, List[Tuple[str, str]]] = {}
     for name in adapter_names:
         layer, _, leaf = name.partition(ADAPTER_MARK)
-        if leaf.startswith("a"):
+        if is_down_projection(name):
             out.setdefault(layer + ".weight", []).append((name, f"{layer}{ADAPTER_MARK}b{leaf[1:]}"))
     order = {"": 0, **{s: i for i, s in enumerate(SEGMENTS)}}
     return {w: sorted(pairs, key=lambda pair: order[_segment(pair[0])]) for w, pairs in out.items()}

@@ -41,6 +41,7 @@ from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.models.backends import logical_parameters
+from megatron_hydra.parallel.lora import is_down_projection
 
 OUTPUT_PROJECTIONS = ("attention.proj.weight", "mlp.fc2.weight")
 MOE_OUTPUT_PROJECTION = re.compile(r"(^|\.)(shared|experts\.\d+)\.fc2\.weight$")
@@ -127,7 +128,7 @@ def _rule(name: str, cfg: TransformerConfig):
     """("zero" | "one" | "normal" | "uniform", std) for parameter ``name`` (uniform: the bound is
     set from the tensor's width)."""
     if ".lora." in name:
-        return ("uniform", 0.0) if name.rpartition(".")[2].startswith("a") else ("zero", 0.0)
+        return ("uniform", 0.0) if is_down_projection(name) else ("zero", 0.0)
     if name.endswith(".bias"):
         return "zero", 0.0
     if "norm" in name:

@@ -16,16 +16,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator, List
 
-import torch
 from torch import nn
 
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_hydra.parallel.lora import ColumnLoRA, RowLoRA, is_adapter
 from megatron_hydra.parallel.state import ParallelState
-
-TARGETS = ("qkv", "proj", "fc1", "gate", "fc2")
-
 
 def _column(layer: ColumnParallelLinear, cfg: TransformerConfig, ps: ParallelState, segments, groups: int,
             device) -> ColumnLoRA:
@@ -78,7 +74,3 @@ def adapters_off(models) -> Iterator[None]:
     finally:
         for a in found:
             a.enabled = True
-
-
-def adapter_parameters(model: nn.Module) -> List[torch.nn.Parameter]:
-    return [p for p in model.parameters() if is_adapter(p)]

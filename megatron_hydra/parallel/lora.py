@@ -49,6 +49,12 @@ def is_adapter(p: torch.Tensor) -> bool:
     return getattr(p, "lora", False)
 
 
+def is_down_projection(name: str) -> bool:
+    """Whether the adapter tensor ``name`` (``...lora.a``, ``...lora.a_q``) is an A, the matrix
+    that reads the layer's input; else it is a B (``...lora.b``, ``...lora.b_q``)."""
+    return name.rpartition(".")[2].startswith("a")
+
+
 def _local(size: int, tp: int, what: str) -> int:
     if size % tp:
         raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp}")
@@ -103,13 +109,9 @@ class RowLoRA(nn.Module):
                  dtype: torch.dtype, device=None):
         super().__init__()
         self.rank, self.scale, self.p_dropout, self.enabled = rank, scale, p_dropout, True
-        self.names = [""]
         local_in = _local(in_features, C.group_size(tp_group), "in_features")
         self.a = adapter_param((rank, local_in), dtype, device, 1)
         self.b = adapter_param((out_features, rank), dtype, device, None, True)
-
-    def pairs(self):
-        return [(self.a, self.b)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = dropout(x, self.p_dropout, self.training, sharded=True)  # this rank's slice of the input

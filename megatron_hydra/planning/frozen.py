@@ -116,10 +116,10 @@ def layer_bytes(tc: TransformerConfig, layer: dict, recompute: Optional[str] = N
 
     def adapter(target: str, inputs: float, grad: bool, segments: int = 1) -> None:
         """A x ([T, segments r]), which B's gradient reads; the dropped input, and its mask where
-        the input has a gradient."""
+        the input has a gradient, once per segment (q, k and v draw masks of their own)."""
         nonlocal delta
         if target in targets:
-            delta += v * tokens * segments * spec.rank + ((v + m * grad) * inputs if dropped else 0.0)
+            delta += v * tokens * segments * spec.rank + ((v + m * grad) * inputs * segments if dropped else 0.0)
 
     read = {t: t in targets and not dropped for t in ("qkv", "proj", "fc1", "gate", "fc2")}  # A keeps the input
     g_qkv = g or "qkv" in targets
@@ -127,7 +127,7 @@ def layer_bytes(tc: TransformerConfig, layer: dict, recompute: Optional[str] = N
     keep("core", g_qkv)
     keep("qkv_in", read["qkv"])
     adapter("qkv", part["qkv_in"] / v, g, 3)
-    delta += v * 3 * spec.rank * part["h"] if "qkv" in targets and g else 0.0  # the A's concatenated
+    delta += v * 3 * spec.rank * part["h"] if "qkv" in targets and g and not dropped else 0.0  # the A's concatenated
     fused_keeps = g_qkv and (layer["cp"] > 1 or (layer["attention"] == "fused" and recompute != "selective"))
     keep("proj_in", read["proj"] or fused_keeps)
     adapter("proj", part["proj_in"] / v, g_qkv)

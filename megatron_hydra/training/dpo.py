@@ -11,7 +11,9 @@ its pairs, and the step's the mean over micro-batches, as the lm objective's, so
 same at every layout.
 
 The reference model (``Reference``) is the starting model. Under ``peft=lora`` it is the policy
-itself with its adapters off (``models.lora.adapters_off``): no second copy. Otherwise it is a
+itself with its adapters off (``models.lora.adapters_off``): no second copy; a run that starts from
+trained adapters (``peft.adapter``: SFT with LoRA, then DPO) starts from base + those adapters, so
+the reference keeps a copy of them (adapter-sized) and swaps it in for its pass. Otherwise it is a
 frozen copy built as the policy is (same stages, same shards, FSDP-sharded like it), loaded from
 ``checkpoint.load`` by the worker (``training.train``), or left at the seeded initial weights the
 policy starts from; it is never in the optimizer or in a checkpoint. Before a step trains, the
@@ -46,6 +48,7 @@ from megatron_hydra.models.stages import build_model, build_stage_chunks
 from megatron_hydra.models.transformer import Block
 from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel import fsdp
+from megatron_hydra.parallel.lora import is_adapter
 from megatron_hydra.parallel.pipeline import Pipeline
 from megatron_hydra.training.step import model_chunks, split_microbatches
 
@@ -117,18 +120,31 @@ class DPOLoss:
 
 
 @contextmanager
-def _forward_only(chunks: List[nn.Module], lora: bool) -> Iterator[None]:
-    """No grad, eval mode (no dropout, no MoE statistics); the adapters off under LoRA. Every
-    module's mode is put back after."""
+def _forward_only(chunks: List[nn.Module], adapters) -> Iterator[None]:
+    """No grad, eval mode (no dropout, no MoE statistics), inside ``adapters`` (the reference's
+    adapters under LoRA, else a null context). Every module's mode is put back after."""
     modes = [(m, m.training) for chunk in chunks for m in chunk.modules()]
     try:
-        with torch.no_grad(), (adapters_off(chunks) if lora else nullcontext()):
+        with torch.no_grad(), adapters:
             for chunk in chunks:
                 chunk.eval()
             yield
     finally:
         for module, training in modes:
             module.training = training
+
+
+@contextmanager
+def _swapped(params: List[nn.Parameter], values: List[torch.Tensor]) -> Iterator[None]:
+    """``params`` hold ``values`` inside (their storage swapped, nothing copied), their own after."""
+    own = [p.data for p in params]
+    try:
+        for p, v in zip(params, values):
+            p.data = v
+        yield
+    finally:
+        for p, v in zip(params, own):
+            p.data = v
 
 
 class Reference:
@@ -139,6 +155,8 @@ class Reference:
         self.module = module
         self.lora = module.derived.transformer.lora is not None
         self.copy: Optional[List[nn.Module]] = None if self.lora else _frozen_copy(module, device)
+        # Under LoRA from trained adapters (peft.adapter): their values, to swap in for the pass.
+        self.start_adapters: Optional[List[torch.Tensor]] = None
         self._fsdp_units = fsdp.fsdp_modules(self.copy or ())
         self._pipeline = None
         self._out: Optional[torch.Tensor] = None  # the pipeline pass's rows, filled on the last stage
@@ -147,18 +165,34 @@ class Reference:
     def chunks(self) -> List[nn.Module]:
         return self.copy if self.copy is not None else model_chunks(self.module.model)
 
-    def load(self, path: str) -> None:
-        """The copy's weights from the checkpoint at ``path`` (collective: every rank)."""
-        if self.copy is None:
-            return
+    def load(self, base: Optional[str], adapter: Optional[str]) -> None:
+        """The starting weights (collective: every rank): the copy's from the checkpoint ``base``
+        (``checkpoint.load``); under LoRA, the adapters of ``adapter`` (``peft.adapter``), read into
+        the policy's (which the run then loads again, from where it resumes) and kept aside."""
         m = self.module
-        model = nn.ModuleList(self.copy) if m.derived.pp > 1 else self.copy[0]
-        sharded.load(path, model, None, m.ps, m.derived.transformer.vocab_size, load_optimizer=False)
+        if self.copy is not None and base:
+            model = nn.ModuleList(self.copy) if m.derived.pp > 1 else self.copy[0]
+            sharded.load(base, model, None, m.ps, m.derived.transformer.vocab_size, load_optimizer=False)
+        if self.lora and adapter:
+            sharded.load(adapter, m.model, None, m.ps, m.derived.transformer.vocab_size, load_optimizer=False,
+                         select="adapters", key="peft.adapter")
+            self.start_adapters = [p.detach().clone() for p in self._adapter_params()]
+
+    def _adapter_params(self) -> List[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters() if is_adapter(p)]
+
+    def _adapters(self):
+        """The reference's adapters: off, or the starting ones swapped in (``load``)."""
+        if not self.lora:
+            return nullcontext()
+        if self.start_adapters is None:
+            return adapters_off(self.chunks)
+        return _swapped(self._adapter_params(), self.start_adapters)
 
     def __call__(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """``[rows, seq_length]``: each row's reference document sums (document ``d`` at column
         ``d``); with pipeline parallelism meaningful on the last stage alone, the one that reads it."""
-        with _forward_only(self.chunks, self.lora):
+        with _forward_only(self.chunks, self._adapters()):
             out = self._pipelined(batch) if self.module.derived.pp > 1 else self._looped(batch)
         for unit in self._fsdp_units:  # FSDP keeps a root gathered after forward, for a backward
             unit.reshard()

@@ -11,19 +11,20 @@ live model (``training_sample``), so it too works at any layout the engine runs.
 
 A LoRA model is ``checkpoint.load`` (the base) plus ``peft.adapter`` (adapters trained on it),
 loaded side by side, never merged: the adapters' own config says their rank, targets and scale
-(``with_adapters``), so the user gives the two paths and nothing else.
+(``checkpoint.adapters.adopt``, which the launcher applies before it derives the run), so the user
+gives the two paths and nothing else.
 
 Nothing here imports Lightning: the launcher runs ``preflight`` in its own process.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from megatron_hydra.checkpoint import adapters, sharded, standalone, store
-from megatron_hydra.config import Derived, RunConfig, derive
+from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.config.inference import eval_output_dir
 from megatron_hydra.config.schema import SamplingConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
@@ -62,7 +63,6 @@ def preflight(cfg: RunConfig, derived: Derived) -> None:
     incomplete or other model's checkpoint, no tokenizer, bad sampling settings, prompts longer
     than the model's positions, an unknown task or a task file that does not parse; adapters
     that are no adapters or not of this base."""
-    cfg, derived = with_adapters(cfg, derived)
     adapters.refuse_adapter_only(cfg.checkpoint.load, "checkpoint.load", store.validate(cfg.checkpoint.load))
     # Its config is data from elsewhere: shown to match its tensors before a worker builds anything.
     standalone.check_before_building(cfg.checkpoint.load, derived, select=_base(derived))
@@ -77,15 +77,6 @@ def preflight(cfg: RunConfig, derived: Derived) -> None:
     from megatron_hydra.inference.lm_eval_adapter import check_tasks
 
     check_tasks(list(cfg.trainer.eval.tasks))
-
-
-def with_adapters(cfg: RunConfig, derived: Derived) -> Tuple[RunConfig, Derived]:
-    """The run with the peft settings of its adapter checkpoint (``peft.adapter``), re-derived
-    when they differ from the command line's; unchanged without one."""
-    if cfg.peft.adapter is None:
-        return cfg, derived
-    adopted = adapters.adopt(cfg, cfg.peft.adapter)
-    return (cfg, derived) if adopted.peft == cfg.peft else (adopted, derive(adopted))
 
 
 def _base(derived: Derived) -> Optional[str]:
@@ -105,7 +96,6 @@ def check_positions(tcfg: TransformerConfig, prompts: List[List[int]], max_new_t
 # A worker's job ------------------------------------------------------------------------------
 def run_job(cfg: RunConfig, derived: Derived, local_rank: int) -> None:
     """This rank's part of ``mode=generate`` or ``mode=evaluate`` (every rank calls it together)."""
-    cfg, derived = with_adapters(cfg, derived)
     device = device_for(cfg.trainer.accelerator, local_rank)
     ps = ParallelState.build(tp=derived.tp, pp=derived.pp, dp=derived.dp, cp=derived.cp, device_type=device.type,
                              ep=derived.ep, etp=derived.etp)

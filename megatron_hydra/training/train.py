@@ -183,8 +183,8 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
     pl.seed_everything(seed, workers=True, verbose=False)
     seed_model_parallel(seed, ps.tp_rank)
     module = LMModule(cfg, derived, ps, device)  # built and initialised on its device
-    if module.reference is not None and cfg.checkpoint.load:  # DPO's frozen copy: the starting weights
-        module.reference.load(cfg.checkpoint.load)
+    if module.reference is not None:  # DPO's reference: the starting weights
+        module.reference.load(cfg.checkpoint.load, cfg.peft.adapter)
     strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 distributed_optimizer=cfg.optim.distributed_optimizer,
                                 data_parallel=cfg.parallel.data_parallel, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
