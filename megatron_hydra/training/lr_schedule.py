@@ -9,7 +9,9 @@ from megatron_hydra.config.schema import OptimConfig
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     """Learning rate of the update with 0-based index ``step``. The first warmup update already
-    uses lr / warmup_steps (not 0), as Megatron's schedule does."""
+    uses lr / warmup_steps, so no update is wasted at 0. Megatron-LM's scheduler computes its first
+    update's rate before any step is counted (its init lr, 0 by default), so its warmup runs one
+    update behind this one; the decay is the same function of the step."""
     if optim.warmup_steps and step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     decay_steps = optim.decay_steps or max_steps
