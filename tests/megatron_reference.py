@@ -103,6 +103,13 @@ def args_of(form: str, tp: int, pp: int, enums: bool = True) -> argparse.Namespa
         tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1, make_vocab_size_divisible_by=128,
         padded_vocab_size=PADDED, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_distributed_optimizer=False, ckpt_format="torch_dist", consumed_train_samples=56, iteration=ITERATION,
+        use_te_activation_func=False, use_legacy_models=False, add_position_embedding=True, softmax_type="vanilla",
+        no_rope_freq=None, attention_output_gate=False, glu_linear_offset=0.0, activation_func_clamp_value=None,
+        experimental_attention_variant=None, linear_attention_freq=None,
+        # How it trains (train_step's optimizer; Megatron-LM's defaults otherwise).
+        lr=1e-2, min_lr=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.01, clip_grad=0.0,
+        lr_decay_style="linear", train_iters=20, lr_decay_iters=None, lr_warmup_fraction=None, lr_warmup_iters=2,
+        train_samples=None, global_batch_size=8, micro_batch_size=4,
     )
 
 

@@ -10,9 +10,9 @@ go back through to_megatron and Megatron-Core's own load and forward. One start 
 writes every checkpoint and computes every logit (module fixture); the tests read its results.
 
 Crafted pickles (a legacy file or common.pt naming os.system, an unknown class) must be refused
-in one line without running anything; arguments naming a feature we lack are one line too.
-Megatron-Core is an optional test dependency: without it only the tests of crafted pickles and of
-arguments run. It is imported in the ranks only (see ``_needs_megatron_core``).
+in one line without running anything, as must malformed legacy layouts (the arguments' own rules:
+test_megatron_arguments.py). Megatron-Core is an optional test dependency: without it only the
+tests of crafted files run. It is imported in the ranks only (see ``_needs_megatron_core``).
 """
 
 from __future__ import annotations
@@ -208,34 +208,94 @@ def _relayer(chunk, start, stop, shift):
     return out
 
 
+def _outer(chunk, prefix):
+    return {k: v for k, v in chunk.items() if k.startswith(prefix)}
+
+
+def _save_legacy(target, files, args):
+    """Legacy files ``{directory name: model chunks}`` under ``target`` (an iteration directory)."""
+    for name, chunks in files.items():
+        (target / name).mkdir(parents=True)
+        torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0, **chunks},
+                   target / name / "model_optim_rng.pt")
+
+
+def _import_logits(target, tmp_path):
+    from megatron_hydra.checkpoint import standalone
+    from megatron_hydra.convert import megatron
+    import megatron_reference as ref
+
+    megatron.from_megatron(str(target), str(tmp_path / "ours"))
+    with torch.no_grad():
+        return standalone.load_model(str(tmp_path / "ours"))[2](ref.TOKENS).numpy()
+
+
 def test_legacy_virtual_pipeline_stages(world, tmp_path):
     """Megatron's interleaved layout (virtual stage v of pipeline rank r is global stage v * pp + r):
     the pp2 GPT files regrouped into two virtual stages of one layer per rank give the same model."""
-    import megatron_reference as ref
-
-    from megatron_hydra.checkpoint import standalone
-    from megatron_hydra.convert import megatron
-
     root, out = world
     source = os.path.join(root, "gpt_pp2_legacy", "iter_0000007")
     first, last = (_plain(os.path.join(source, f"mp_rank_00_00{p}", "model_optim_rng.pt")) for p in (0, 1))
-    outer = lambda chunk, prefix: {k: v for k, v in chunk.items() if k.startswith(prefix)}  # noqa: E731
-    ranks = {  # global layers 0, 1, 2, 3 on (r0, v0), (r1, v0), (r0, v1), (r1, v1)
-        0: {"model0": {**outer(first["model"], "embedding."), **_relayer(first["model"], 0, 1, 0)},
-            "model1": _relayer(last["model"], 0, 1, 0)},
-        1: {"model0": _relayer(first["model"], 1, 2, -1),
-            "model1": {**_relayer(last["model"], 1, 2, -1), **outer(last["model"], "decoder.final_layernorm"),
-                       **outer(last["model"], "output_layer")}},
+    files = {  # global layers 0, 1, 2, 3 on (r0, v0), (r1, v0), (r0, v1), (r1, v1)
+        "mp_rank_00_000": {"model0": {**_outer(first["model"], "embedding."), **_relayer(first["model"], 0, 1, 0)},
+                           "model1": _relayer(last["model"], 0, 1, 0)},
+        "mp_rank_00_001": {"model0": _relayer(first["model"], 1, 2, -1),
+                           "model1": {**_relayer(last["model"], 1, 2, -1),
+                                      **_outer(last["model"], "decoder.final_layernorm"),
+                                      **_outer(last["model"], "output_layer")}},
     }
-    target = tmp_path / "vpp" / "iter_0000007"
-    for p, chunks in ranks.items():
-        (target / f"mp_rank_00_00{p}").mkdir(parents=True)
-        torch.save({"args": first["args"], "iteration": 7, "checkpoint_version": 3.0, **chunks},
-                   target / f"mp_rank_00_00{p}" / "model_optim_rng.pt")
-    megatron.from_megatron(str(target), str(tmp_path / "ours"))
-    with torch.no_grad():
-        logits = standalone.load_model(str(tmp_path / "ours"))[2](ref.TOKENS).numpy()
-    _close(_vocab(logits), _vocab(out["megatron", "gpt", "pp2"]))
+    _save_legacy(tmp_path / "vpp" / "iter_0000007", files, first["args"])
+    _close(_vocab(_import_logits(tmp_path / "vpp" / "iter_0000007", tmp_path)), _vocab(out["megatron", "gpt", "pp2"]))
+
+
+def test_legacy_tensor_and_pipeline_parallel(world, tmp_path):
+    """tp2 x pp2 legacy files (the tp2 GPT's shards cut into two stages of two layers, the last
+    stage holding its copy of the tied embeddings, as Megatron-LM saves it) give the same model."""
+    root, out = world
+    source = os.path.join(root, "gpt_tp2_legacy", "iter_0000007")
+    files, args = {}, None
+    for t in (0, 1):
+        state = _plain(os.path.join(source, f"mp_rank_0{t}", "model_optim_rng.pt"))
+        model, args = state["model"], state["args"]
+        files[f"mp_rank_0{t}_000"] = {"model": {**_outer(model, "embedding."), **_relayer(model, 0, 2, 0)}}
+        files[f"mp_rank_0{t}_001"] = {"model": {**_relayer(model, 2, 4, -2),
+                                                **_outer(model, "decoder.final_layernorm"),
+                                                "output_layer.weight": model["embedding.word_embeddings.weight"]}}
+    args.pipeline_model_parallel_size = 2
+    _save_legacy(tmp_path / "tp2pp2" / "iter_0000007", files, args)
+    _close(_vocab(_import_logits(tmp_path / "tp2pp2" / "iter_0000007", tmp_path)),
+           _vocab(out["megatron", "gpt", "tp2"]))
+
+
+def test_legacy_tensor_no_part_reads_is_refused(world, tmp_path):
+    """A tensor of a feature the arguments do not reveal (a learnable softmax offset) is one line."""
+    from megatron_hydra.convert import megatron
+    from megatron_hydra.errors import CheckpointError
+
+    root, _ = world
+    source = os.path.join(root, "gpt_pp2_legacy", "iter_0000007")
+    files, args = {}, None
+    for p in (0, 1):
+        state = _plain(os.path.join(source, f"mp_rank_00_00{p}", "model_optim_rng.pt"))
+        files[f"mp_rank_00_00{p}"], args = {"model": state["model"]}, state["args"]
+    files["mp_rank_00_001"]["model"]["decoder.layers.1.self_attention.core_attention.softmax_offset"] = torch.zeros(4)
+    _save_legacy(tmp_path / "src" / "iter_0000007", files, args)
+    with pytest.raises(CheckpointError, match=r"holds decoder\.layers\.1\.self_attention\.core_attention\.softmax_"
+                                              r"offset \(pipeline rank 1, model chunk 0\), which no tensor"):
+        megatron.from_megatron(str(tmp_path / "src" / "iter_0000007"), str(tmp_path / "ours"))
+
+
+def test_dist_tensor_no_part_reads_is_found(world):
+    from megatron_hydra.convert import megatron_dist
+    from megatron_hydra.convert.megatron_names import parts
+
+    root, _ = world
+    ck = megatron_dist.open_dist(os.path.join(root, "gpt_tp2_dist", "iter_0000007"))
+    layer = [_our_name(f"decoder.layers.{i}.{k}") for i in range(4) for k in MEGATRON_TO_OURS if "." in k
+             and not k.startswith(("embedding.", "decoder.")) and k != "mlp.linear_fc2.bias"]
+    wanted = parts(["embedding.weight", "position_embedding.weight", "final_norm.weight", *layer], gated=False)
+    assert sorted(megatron_dist.unused(ck, list(wanted.values()), tied=True)) == [
+        "decoder.final_layernorm.bias", "decoder.layers.mlp.linear_fc2.bias"]
 
 
 # Megatron's parameter names -> ours (the GPT form: one layer's and the outer ones).
@@ -268,6 +328,8 @@ def test_torch_dist_optimizer_moments_are_carried(world):
     root, out = world
     imported = out["imported", "gpt", "tp2", "dist"]
     assert imported[1] and "checkpoint.load_optimizer=false" not in imported[0]
+    for setting in ("precision=fp32", "optim.adam_beta2=0.999", "optim.lr=0.01", "trainer.max_steps=20"):
+        assert f" {setting}" in imported[0]  # Adam's moments go on under the hyperparameters that built them
     ckpt = os.path.join(root, "ours0_gpt_tp2_dist")
     per_rank = [out["moments", r] for r in (0, 1)]
     metadata = read_metadata(ckpt).state_dict_metadata
@@ -295,6 +357,40 @@ def test_legacy_and_untrained_imports_start_the_optimizer_afresh(world):
     assert not out["imported", "llama", "pp2", "dist"][1]  # saved without an optimizer
 
 
+def test_carried_optimizer_resumes_in_our_run(world):
+    """The gpt tp2 import loads with its optimizer (sharded.load, load_optimizer=True) and its next
+    AdamW step is the one Megatron's moments and step count give."""
+    from megatron_hydra.checkpoint import sharded, standalone
+    from megatron_hydra.models.archs import ARCHS
+    from megatron_hydra.parallel.data_parallel import GradBuffer
+    from megatron_hydra.parallel.optimizer import MegatronOptimizer
+    from megatron_hydra.parallel.state import ParallelState
+
+    root, out = world
+    ckpt = os.path.join(root, "ours0_gpt_tp2_dist")
+    cfg, derived = standalone.single_process(standalone.read_config(ckpt))
+    ps = ParallelState.single()
+    model = ARCHS["gpt"].build(derived.transformer, ps)
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.999), 1e-8, 0.01  # Megatron's, as the printed command carries them
+    opt = MegatronOptimizer(model, GradBuffer(model.parameters(), None, cfg.parallel.grad_bucket_size), ps, lr=lr,
+                            betas=(b1, b2), eps=eps, weight_decay=wd, clip_grad=0.0, impl="foreach")
+    with standalone.one_process():
+        sharded.load(ckpt, model, opt, ps, derived.transformer.vocab_size)
+    name = "decoder.layers.1.mlp.linear_fc2.weight"
+    m, v = (torch.cat([torch.from_numpy(out["moments", r][name][i]) for r in (0, 1)], dim=1) for i in (0, 1))
+    param = dict(model.named_parameters())[_our_name(name)]
+    before = param.detach().clone()
+    grad = torch.randn(before.shape, generator=torch.Generator().manual_seed(0))
+    for p in model.parameters():
+        p.main_grad.zero_()
+    param.main_grad.copy_(grad)
+    opt.step()
+    m, v = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad.square()  # Adam's second step (Megatron's was 1)
+    expected = before * (1 - lr * wd) - lr / (1 - b1**2) * m / ((v / (1 - b2**2)).sqrt() + eps)
+    torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert float(opt.state[opt.pieces[0].main]["step"]) == 2.0
+
+
 def _copy_dist(root, name, to):
     import shutil
 
@@ -302,17 +398,19 @@ def _copy_dist(root, name, to):
     return os.path.join(to, "iter_0000007")
 
 
-def test_bucket_layout_optimizer_is_not_carried(world, tmp_path):
-    """The distributed optimizer's dp_reshardable format (flat buckets): weights only, saying why."""
+@pytest.mark.parametrize("kind,why", [("dp_reshardable", "flat per-rank ranges"),
+                                      ("fully_sharded_model_space", "flattened range of its TP shard")])
+def test_distributed_optimizer_formats_are_not_carried(world, tmp_path, kind, why):
+    """The distributed optimizer's other formats: weights only, saying why."""
     from megatron_hydra.convert import megatron
 
     root, _ = world
     directory = _copy_dist(root, "gpt_tp2_dist", tmp_path / "src")
     common = _plain(os.path.join(directory, "common.pt"), 1 << 20)
-    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {"param_groups": []}}
+    common["optimizer"] = {"param_state_sharding_type": kind, "optimizer": {"param_groups": []}}
     torch.save(common, os.path.join(directory, "common.pt"))
     result = megatron.from_megatron(str(tmp_path / "src"), str(tmp_path / "ours"))
-    assert not result.optimizer and any("dp_reshardable" in n for n in result.notes)
+    assert not result.optimizer and any(kind in n and why in n for n in result.notes)
 
 
 def test_linked_storage_file_is_refused(world, tmp_path):
@@ -328,10 +426,30 @@ def test_linked_storage_file_is_refused(world, tmp_path):
         megatron.from_megatron(str(tmp_path / "src"), str(tmp_path / "ours"))
 
 
+def test_storage_file_swapped_for_a_link_after_the_check_is_refused(world, tmp_path):
+    """The reads open each file without following a link: a file replaced after open_dist checked it
+    is refused too, not read through the link."""
+    from megatron_hydra.convert import megatron_dist
+    from megatron_hydra.convert.megatron_names import Part
+    from megatron_hydra.errors import CheckpointError
+
+    root, _ = world
+    directory = _copy_dist(root, "llama_tp2_dist", tmp_path / "src")
+    ck = megatron_dist.open_dist(directory)
+    for name in (n for n in os.listdir(directory) if n.endswith(".distcp")):
+        os.replace(os.path.join(directory, name), tmp_path / name)
+        os.symlink(tmp_path / name, os.path.join(directory, name))
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        megatron_dist.read_part(ck, Part("decoder.final_layernorm.weight"), [64])
+
+
 # Safety and refusals: no Megatron-Core needed --------------------------------------------------
 class _RunsCode:
+    def __init__(self, sentinel):
+        self.sentinel = str(sentinel)
+
     def __reduce__(self):
-        return (os.system, ("touch /tmp/megatron_hydra_pwned",))
+        return (os.system, (f"touch {self.sentinel}",))
 
 
 def test_crafted_legacy_pickle_runs_nothing(tmp_path):
@@ -340,12 +458,12 @@ def test_crafted_legacy_pickle_runs_nothing(tmp_path):
 
     rank = tmp_path / "iter_0000001" / "mp_rank_00"
     rank.mkdir(parents=True)
-    torch.save({"args": _RunsCode(), "model": {}}, rank / "model_optim_rng.pt")
+    torch.save({"args": _RunsCode(tmp_path / "pwned"), "model": {}}, rank / "model_optim_rng.pt")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(CheckpointError) as e:
         megatron.from_megatron(str(tmp_path), str(tmp_path / "out"))
     assert "posix.system" in str(e.value) and "\n" not in str(e.value)
-    assert not os.path.exists("/tmp/megatron_hydra_pwned")
+    assert not os.path.exists(tmp_path / "pwned")
 
 
 def test_crafted_dcp_metadata_runs_nothing(tmp_path):
@@ -355,10 +473,10 @@ def test_crafted_dcp_metadata_runs_nothing(tmp_path):
     directory = tmp_path / "iter_0000001"
     directory.mkdir()
     (directory / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    (directory / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    (directory / ".metadata").write_bytes(pickle.dumps(_RunsCode(tmp_path / "pwned")))
     with pytest.raises(CheckpointError, match="posix.system is not allowed"):
         megatron.from_megatron(str(directory), str(tmp_path / "out"))
-    assert not os.path.exists("/tmp/megatron_hydra_pwned")
+    assert not os.path.exists(tmp_path / "pwned")
 
 
 def test_crafted_common_pt_and_unknown_class_are_refused(tmp_path):
@@ -369,9 +487,40 @@ def test_crafted_common_pt_and_unknown_class_are_refused(tmp_path):
     torch.save({"args": fractions.Fraction(1, 3)}, path)  # a class no checkpoint holds
     with pytest.raises(CheckpointError, match="fractions.Fraction"):
         megatron_pickle.load(str(path), megatron_pickle.COMMON_BYTES)
-    path.write_bytes(pickle.dumps(_RunsCode()))  # not even a torch.save file
+    path.write_bytes(pickle.dumps(_RunsCode(tmp_path / "pwned")))  # not even a torch.save file
     with pytest.raises(CheckpointError):
         megatron_pickle.load(str(path), megatron_pickle.COMMON_BYTES)
+    assert not os.path.exists(tmp_path / "pwned")
+
+
+@pytest.mark.parametrize("files,shown", [
+    ({"mp_rank_00": {"model0": {}, "model2": {}}}, "model chunks model0, model2 but no model1"),
+    ({"mp_rank_00": {"model": {}}, "mp_rank_00_000": {"model": {}}}, "both mp_rank_00 and mp_rank_00_000 hold"),
+    ({"mp_rank_00": {"model": {"language_model": {"embedding": {}}}}}, "pre-Megatron-Core model"),
+])
+def test_malformed_legacy_layouts_are_one_line(tmp_path, files, shown):
+    import megatron_reference as ref
+
+    from megatron_hydra.convert import megatron
+    from megatron_hydra.errors import CheckpointError
+
+    _save_legacy(tmp_path / "iter_0000007", files, ref.args_of("gpt", 1, 1, enums=False))
+    with pytest.raises(CheckpointError, match=shown) as e:
+        megatron.from_megatron(str(tmp_path / "iter_0000007"), str(tmp_path / "out"))
+    assert "\n" not in str(e.value)
+
+
+def test_unzipped_pickle_is_read_within_a_bound(tmp_path, monkeypatch):
+    """A pre-1.6 torch.save file cannot be memory-mapped: it is read whole, so its size is bounded."""
+    from megatron_hydra.convert import megatron_pickle
+    from megatron_hydra.errors import CheckpointError
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": {"w": torch.ones(64)}}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(megatron_pickle.load(str(path))["model"]["w"], torch.ones(64))
+    monkeypatch.setattr(megatron_pickle, "UNZIPPED_BYTES", 100)
+    with pytest.raises(CheckpointError, match="larger than 100 bytes"):
+        megatron_pickle.load(str(path))
 
 
 def test_arguments_are_read_as_data(world):
@@ -386,37 +535,6 @@ def test_arguments_are_read_as_data(world):
     backend = state["args"].attention_backend
     assert isinstance(backend, megatron_pickle.MegatronEnum) and backend.cls.endswith("enums.AttnBackend")
     assert isinstance(state["rng_state"][0]["np_rng_state"][1], megatron_pickle.Opaque)
-
-
-@pytest.mark.parametrize("key,value,shown", [
-    ("rotary_percent", 0.5, "rotary_percent=0.5"), ("num_experts", 8, "num_experts=8"),
-    ("position_embedding_type", "mrope", "position_embedding_type='mrope'"),
-    ("rotary_interleaved", True, "rotary_interleaved=true"),
-])
-def test_features_we_lack_are_one_line(key, value, shown):
-    import megatron_reference as ref
-
-    from megatron_hydra.convert.megatron_args import model_of
-    from megatron_hydra.errors import MegatronHydraError
-
-    args = ref.args_of("llama", 1, 1, enums=False)
-    setattr(args, key, value)
-    with pytest.raises(MegatronHydraError) as e:
-        model_of(args, "common.pt", "x")
-    assert shown in str(e.value) and "\n" not in str(e.value)
-
-
-def test_vocabulary_and_activation_from_arguments():
-    import megatron_reference as ref
-
-    from megatron_hydra.convert.megatron_args import model_of
-
-    gpt = model_of(ref.args_of("gpt", 1, 1, enums=False), "common.pt", "x")
-    assert (gpt.model.vocab_size, gpt.padded_vocab, gpt.model.activation) == (100, 256, "gelu_tanh")
-    args = ref.args_of("gpt", 1, 1, enums=False)
-    args.tokenizer_type, args.bias_gelu_fusion = "GPT2BPETokenizer", False
-    other = model_of(args, "common.pt", "x")
-    assert (other.model.vocab_size, other.model.activation) == (256, "gelu") and "padded" in other.notes[0]
 
 
 def test_cli_from_megatron(world, tmp_path, capsys):

@@ -21,9 +21,11 @@ from megatron_hydra.config.derive import derive
 from megatron_hydra.errors import ConfigError
 from megatron_hydra.migrate import flags
 from megatron_hydra.migrate.__main__ import main
+from megatron_hydra.migrate.check import check_composed
 from megatron_hydra.migrate.command import migrate
 from megatron_hydra.migrate.command_line import parse
 from megatron_hydra.migrate.report import classify
+from megatron_hydra.migrate.shell import read_script
 from megatron_hydra.migrate.translate import translate
 
 # Megatron-LM's README GPT example (v2.x) with tensor parallelism over the 8 GPUs it launches.
@@ -81,6 +83,8 @@ def test_readme_example_derives_megatrons_layout_batch_and_shapes():
 
     result = migrate(shlex.split(README_EXAMPLE))
     assert "trainer.devices=8" in result.overrides and "parallel=tp4" in result.overrides
+    printed = result.report().split("\n\n")[0].split("\n", 1)[1]  # the launch.py command
+    assert printed in (Path(__file__).parents[1] / "docs" / "megatron.md").read_text()  # as the docs show it
     assert result.problem is None
     cfg, d = _composed(result)
     assert (d.world_size, d.tp, d.pp, d.dp) == (world, tp, pp, dp)
@@ -173,7 +177,16 @@ BASE = "--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 
     ("--tokenizer-type Llama2Tokenizer --tokenizer-model t.model", "data.tokenizer.path", "t.model"),
     ("--tokenizer-type NullTokenizer --vocab-size 1000 --mock-data", "model.vocab_size", 1001),
     ("--apply-layernorm-1p", "model.zero_centered_gamma", True),
-    ("--openai-gelu", "model.activation", "gelu_tanh"),
+    # Megatron-Core's MLP: the bias-GeLU fusion (on by default, off without biases) and Transformer
+    # Engine's activation compute the tanh form, the unfused local MLP the exact one;
+    # --openai-gelu is read by --use-legacy-models' MLP only
+    ("", "model.activation", "gelu_tanh"),
+    ("--no-bias-gelu-fusion", "model.activation", "gelu"),
+    ("--disable-bias-linear", "model.activation", "gelu"),
+    ("--openai-gelu --no-bias-gelu-fusion", "model.activation", "gelu"),
+    ("--openai-gelu --no-bias-gelu-fusion --use-legacy-models", "model.activation", "gelu_tanh"),
+    ("--use-te-activation-func --no-bias-gelu-fusion", "model.activation", "gelu_tanh"),
+    ("--use-te-activation-func --no-bias-gelu-fusion --transformer-impl local", "model.activation", "gelu"),
     ("--window-size 4095,0 --window-attn-skip-freq 2", "model.sliding_window", 4096),
     ("--use-rope-scaling --position-embedding-type rope", "model.rope_scaling.factor", 8.0),
     ("--add-qkv-bias --disable-bias-linear", "model.qkv_bias", True),
@@ -186,9 +199,32 @@ BASE = "--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 
     ("--num-experts 8 --moe-layer-freq ([1]*1+[0]*1)*2", "model.moe.layer_freq", [1, 0, 1, 0]),
     ("--num-experts 8 --moe-router-enable-expert-bias", "model.moe.expert_bias_rate", 1e-3),
     ("--save ck --load other", "checkpoint.load", "other-hydra"),
+    # validation every --eval-interval (1000 by default up to Megatron-LM 0.15) over --eval-iters (100) batches
+    ("", "trainer.val_check_interval", 1000),
+    ("", "trainer.limit_val_batches", 100),
+    ("--eval-interval 50 --eval-iters 5", "trainer.limit_val_batches", 5),
+    ("--eval-iters 0", "trainer.val_check_interval", None),
+    ("--data-path p --split 100,0,0", "trainer.val_check_interval", None),  # no valid set: nothing to validate
 ])
 def test_megatron_semantics(extra, key, expected):
     assert _keys(BASE + extra).get(key) == expected
+
+
+def test_a_split_without_valid_share_says_there_is_no_validation():
+    t = translate(parse(shlex.split(BASE + "--data-path p --split 99,0,1")))
+    assert any(n.startswith("no validation: --split 99,0,1 leaves the valid split empty") for n in t.notes)
+
+
+@pytest.mark.parametrize("launcher, devices, nodes", [
+    ("mpirun -np 16 -N 8 -x NCCL_DEBUG=INFO python", 8, 2),  # every process, per node
+    ("mpirun -n 8 python", 8, 1),  # every process alone: one node (said in a note)
+    ("srun --nodes 2 --ntasks 16 python", 8, 2),
+    ("torchrun --nproc-per-node 4 --nnodes 2", 4, 2),
+])
+def test_the_launchers_world(launcher, devices, nodes):
+    cl = parse(shlex.split(launcher + " pretrain_gpt.py " + BASE))
+    keys = translate(cl).keys
+    assert (keys["trainer.devices"], keys["trainer.num_nodes"]) == (devices, nodes)
 
 
 def test_samples_become_steps_and_pp_does_not_enter_the_default_batch():
@@ -288,6 +324,34 @@ torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NUM_NODES pretrain_gpt.py \\
     assert "$CHECKPOINT_PATH <- line 5: $1: the script's argument 1" in unresolved
     assert "$(hostname): a command substitution is not run" in unresolved
     assert "line 20: if [ -f" in unresolved and "STAMP" not in unresolved  # STAMP is never used
+
+
+def test_script_arithmetic_truncates_toward_zero_as_bash():
+    script = read_script("A=-7\nB=2\npython pretrain_gpt.py $((A / B)) $((A % B)) $(( (0 - 9) / 4 * 4 ))\n", "t.sh")
+    assert script.argv[2:] == ["-3", "-1", "-8"]  # what bash prints for these
+
+
+def test_a_value_the_overrides_lose_is_a_one_line_problem():
+    result = migrate(shlex.split(BASE))
+    result.translation.keys["optim.lr"] = 0.5
+    assert check_composed(result.translation, result.config) == \
+        "optim.lr: the translation means 0.5, but the printed overrides compose to 0.0001: add optim.lr=0.5"
+
+
+@pytest.mark.parametrize("body, why", [
+    ('A=x\n' + 'A="$A$A"\n' * 30, r"line 2[12]: (a word expands to more than|expansions build more than)"),
+    ("A=" + "x" * 600_000 + '\nA="$A$A"\n', "line 2: a word expands to more than 1,048,576 characters"),
+    ("B=0123456789\n" + 'A+="$B"\n' * 3_000, r"line \d+: expansions build more than 2 MiB"),
+    ("A=1\nB=$((" + "+".join(["A"] * 200_000) + "))\n", r"line 2: a \$\(\(...\)\) of 399,999 characters"),
+    ("A=1\nB=$((" + "+".join(["A"] * 4_000) + "))\n", r"line 2: \$\(\(A\+A\+.*nested too deeply"),
+    ("if [ a = a ]; then\n" * 1_000 + "fi\n" * 1_000, r"line \d+: nested too deeply"),
+], ids=["doubling", "long word", "appending", "long arithmetic", "deep arithmetic", "deep ifs"])
+def test_a_crafted_script_costs_little_and_is_one_line(tmp_path, capsys, body, why):
+    script = tmp_path / "crafted.sh"
+    script.write_text(body + "python pretrain_gpt.py --num-layers 2\n")
+    assert main(["--file", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {script}: ") and re.search(why, err), err
 
 
 def test_model_yaml_through_output_composes_with_its_searchpath(tmp_path):

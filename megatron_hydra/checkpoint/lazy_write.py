@@ -1,16 +1,19 @@
 """A checkpoint written one logical tensor at a time, each made only when the writer reaches it.
 
 An import from another format produces every tensor of a model; holding them all before the
-save would need the whole model in memory, which an 8B model in 24 GiB does not allow. Here each
-logical tensor is a ``LazyTensor``: its shape and dtype (all the save plan and the metadata need)
-and a function that makes it. ``torch.distributed.checkpoint`` resolves write items one by one
-as it writes them (``FileSystemWriter`` with one thread), so a tensor is made when its turn comes
-and dropped once written. DCP keeps every tensor it wrote into one file until that file is
-closed, so each tensor goes into a file of its own: memory stays at one tensor.
+save would need the whole model in memory, which a model larger than the machine's memory does
+not allow. Here each logical tensor is a ``LazyTensor``: its shape and dtype (all the save plan and
+the metadata need) and a function that makes it. ``torch.distributed.checkpoint`` resolves write
+items one by one as it writes them (``FileSystemWriter`` with one thread), so a tensor is made
+when its turn comes and dropped once written. DCP keeps every tensor it wrote into one file until
+that file is closed, so each tensor goes into a file of its own: memory stays at one tensor.
 
 The result is the format ``sharded.load`` reads at any layout: whole logical tensors under
 ``model/<name>`` (one chunk at offset zero), in the dtype they were made in, which loading casts
-into the run's own; ``meta.json`` with the checksums; the marker last.
+into the run's own; optionally optimizer entries beside them, made the same way (Adam's moments
+``optim/<name>/exp_avg`` and ``exp_avg_sq``, its ``optim/<name>/step``, the fp32 ``main/<name>``
+weights of a 16-bit model), which a run then resumes with; ``meta.json`` with the checksums; the
+marker last.
 """
 
 from __future__ import annotations

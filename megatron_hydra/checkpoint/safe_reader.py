@@ -17,6 +17,10 @@ The file itself is opened as a regular file only (``untrusted.open_regular``, no
 a FIFO would block the reader forever.
 
 Anything refused is a one-line ``CheckpointError`` naming the file.
+
+Another writer's DCP metadata (Megatron-Core's ``torch_dist``) is read by the same code with the
+few classes its planner adds (``extra_globals``) and the entry kinds it holds (``entries``); the
+checks above stay as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from typing import Mapping, Optional, Tuple
 
 from megatron_hydra import untrusted
 from megatron_hydra.checkpoint.chunks import LoadPlanner
@@ -49,44 +55,66 @@ ALLOWED_GLOBALS = {
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the exact (module, name) pairs of ``allowed`` (module -> names)."""
+
+    def __init__(self, file, allowed: Mapping[str, frozenset]):
+        super().__init__(file)
+        self.allowed = allowed
+
     def find_class(self, module: str, name: str):
-        if "." in name or name not in ALLOWED_GLOBALS.get(module, ()):
+        if "." in name or name not in self.allowed.get(module, ()):
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
         return super().find_class(module, name)
 
 
-def _refuse(file: str, why: str) -> CheckpointError:
+def _allowed(extra: Optional[Mapping[str, frozenset]]) -> Mapping[str, frozenset]:
+    if not extra:
+        return ALLOWED_GLOBALS
+    return {m: ALLOWED_GLOBALS.get(m, frozenset()) | frozenset(extra.get(m, ())) for m in {*ALLOWED_GLOBALS, *extra}}
+
+
+def _refuse(file: str, why: str, writer: str = "megatron-hydra") -> CheckpointError:
     return CheckpointError(
-        f"{file}: refused to load ({why}): not a metadata file written by megatron-hydra; "
-        "use a checkpoint saved by megatron-hydra"
+        f"{file}: refused to load ({why}): not a metadata file written by {writer}; "
+        f"use a checkpoint saved by {writer}"
     )
 
 
-def _check(file: str, metadata) -> None:
-    """The unpickled object has the shape of our metadata: tensors only, files in the directory."""
+def _check(file: str, metadata, entries: Tuple[type, ...], writer: str) -> None:
+    """The unpickled object has the shape of the writer's metadata: entries of the kinds
+    ``entries`` only (ours: tensors), files in the directory."""
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise _refuse(file, f"top-level object is {type(metadata).__name__}, not Metadata")
+        raise _refuse(file, f"top-level object is {type(metadata).__name__}, not Metadata", writer)
     for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise _refuse(file, f"entry {key!r} is {type(md).__name__}, not a tensor")
+        if not isinstance(md, entries):
+            wanted = " or ".join(kind.__name__ for kind in entries)
+            raise _refuse(file, f"entry {str(key)[:80]!r} is {type(md).__name__}, not {wanted}", writer)
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or rel in (".", "..") or os.path.basename(rel) != rel or os.path.isabs(rel):
-            raise _refuse(file, f"storage file {rel!r} is outside the checkpoint directory")
+            raise _refuse(file, f"storage file {rel[:80]!r} is outside the checkpoint directory", writer)
 
 
-def read_metadata(path: str):
-    """DCP's metadata of the checkpoint directory ``path``, unpickled with the allowlist."""
+def read_metadata(path: str, extra_globals: Optional[Mapping[str, frozenset]] = None,
+                  entries: Tuple[type, ...] = (TensorStorageMetadata,), writer: str = "megatron-hydra",
+                  limit: Optional[int] = None):
+    """DCP's metadata of the checkpoint directory ``path``, unpickled with the allowlist (plus
+    ``extra_globals``: module -> names), its entries of the kinds ``entries`` only; ``writer``
+    names the tool whose checkpoints it reads, in errors; ``limit``: the most bytes the file may
+    hold (the unpickled objects grow with it)."""
     file = os.path.join(path, ".metadata")
     if not os.path.lexists(file):
         raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint directory")
     fd = untrusted.open_regular(file, "checkpoint metadata file", CheckpointError, follow_links=False)
+    if limit is not None and os.fstat(fd).st_size > limit:
+        os.close(fd)
+        raise _refuse(file, f"larger than {limit:,} bytes", writer)
     try:
         with os.fdopen(fd, "rb") as f:
-            metadata = _RestrictedUnpickler(f).load()
+            metadata = _RestrictedUnpickler(f, _allowed(extra_globals)).load()
     except Exception as e:  # any malformed pickle stream: one line, never a traceback
-        raise _refuse(file, f"{type(e).__name__}: {e}") from None
-    _check(file, metadata)
+        raise _refuse(file, f"{type(e).__name__}: {e}", writer) from None
+    _check(file, metadata, entries, writer)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata

@@ -42,10 +42,10 @@ from megatron_hydra.parallel.state import ParallelState
 
 
 @contextmanager
-def _one_process():
+def one_process():
     """DCP warns that it assumes a single process when there is no process group: intended here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|not initialized).*")
         yield
 
 
@@ -100,7 +100,7 @@ def load_model(path: str, seq_length: Optional[int] = None, archs: Tuple[str, ..
     cfg, derived = checked_config(path, seq_length, archs, adapter)
     ps = ParallelState.single()
     model = ARCHS[cfg.model.arch].build(derived.transformer, ps)
-    with _one_process():
+    with one_process():
         sharded.load(path, model, None, ps, derived.transformer.vocab_size, load_optimizer=False,
                      select="base" if adapter is not None else None)
         if adapter is not None:
@@ -170,17 +170,20 @@ def save_model(path: str, model: torch.nn.Module, cfg: RunConfig, derived: Deriv
     """Write ``model`` (whole, this process) as a weights-only checkpoint at ``path``, without
     random states: this process's are no run's, so a run loading it starts from its own seeds."""
     meta = plan.meta(cfg, derived, step, consumed_samples, saved_layout=layout)
-    with _one_process():
+    with one_process():
         sharded.save(path, model, None, ParallelState.single(), derived.transformer.vocab_size, meta,
                      rng_states=False)
 
 
 def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, derived: Derived, layout: dict,
-                 files: Optional[Mapping[str, bytes]] = None) -> None:
+                 files: Optional[Mapping[str, bytes]] = None, optimizer: Optional[Mapping[str, LazyTensor]] = None,
+                 step: int = 0, consumed_samples: int = 0) -> None:
     """Write the logical tensors of the model ``derived`` describes, one at a time, as a
-    weights-only checkpoint into the empty directory ``path`` (``lazy_write``), each in the dtype
-    it is made in; ``files`` (name -> content) go beside them, under the checksums. The tensors
-    must be exactly the model's (the caller has checked them against their source)."""
+    checkpoint into the empty directory ``path`` (``lazy_write``), each in the dtype it is made
+    in; ``files`` (name -> content) go beside them, under the checksums. The tensors must be
+    exactly the model's (the caller has checked them against their source). Without
+    ``optimizer`` (entries under their checkpoint keys, ``lazy_write.write``) it is weights-only at
+    step 0; with it, a run loading it resumes at ``step`` with ``consumed_samples``."""
     expected = plan.logical_shapes(derived)
     given = {n: list(t.shape) for n, t in tensors.items()}
     if given != expected:
@@ -190,12 +193,12 @@ def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, d
         with open(os.path.join(path, name), "wb") as f:
             f.write(content)
     dtypes = {str(t.dtype) for t in tensors.values()}
-    meta = plan.meta(cfg, derived, 0, 0, saved_layout=layout)
+    meta = plan.meta(cfg, derived, step, consumed_samples, saved_layout=layout)
     # What the tensors are stored in (the run's params_dtype is whatever loads them): a file may mix
     # dtypes (fp32 norms beside bf16 matrices), which DCP's metadata records per tensor.
     meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"
-    with _one_process():
-        lazy_write.write(path, tensors, meta)
+    with one_process():
+        lazy_write.write(path, tensors, meta, optimizer)
 
 
 def tensor_sources(path: str, shapes: Mapping[str, Sequence[int]],
@@ -235,7 +238,7 @@ def read_tensors(path: str, tensors: Sequence[Tuple[str, List[int], torch.dtype]
         nbytes = 0 if item is None else math.prod(item[1]) * item[2].itemsize
         if group and (item is None or size + nbytes > read_bytes):
             sd = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in group}
-            with _one_process():
+            with one_process():
                 safe_load(sd, path)
             for key, _, _ in group:
                 yield key, sd.pop(key)

@@ -13,7 +13,7 @@ import functools
 import math
 import typing
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -158,10 +158,26 @@ def _parallel_degrees(cfg: RunConfig) -> Tuple[int, int, int, int, int]:
     return world, tp, pp, cp, world // model_parallel
 
 
+def size_defaults(hidden_size: int, num_attention_heads: int, activation: str, seq_length: int) -> Dict[str, int]:
+    """The sizes a model's null keys take (``ffn_hidden_size``, ``kv_channels``,
+    ``num_query_groups``, ``max_position_embeddings``): the one rule for derive and for whoever
+    compares a model with null keys to one with sizes written out (migrate)."""
+    if activation == "swiglu":  # SwiGLU's three matrices at 8/3 h hold as many weights as two at 4 h
+        ffn = 256 * math.ceil(int(8 * hidden_size / 3) / 256)
+    else:
+        ffn = 4 * hidden_size
+    return {"ffn_hidden_size": ffn, "kv_channels": hidden_size // num_attention_heads if num_attention_heads else 0,
+            "num_query_groups": num_attention_heads, "max_position_embeddings": seq_length}
+
+
+def _defaults(m: ModelConfig) -> Dict[str, int]:
+    return size_defaults(m.hidden_size, m.num_attention_heads, m.activation, m.seq_length)
+
+
 def _attention_shape(cfg: RunConfig, tp: int) -> Tuple[int, int]:
     m = cfg.model
     heads = m.num_attention_heads
-    groups = heads if m.num_query_groups is None else m.num_query_groups
+    groups = _defaults(m)["num_query_groups"] if m.num_query_groups is None else m.num_query_groups
     if heads % tp:
         raise ConfigError(
             f"model.num_attention_heads={heads} is not divisible by parallel.tensor_parallel_size={tp}: "
@@ -183,7 +199,7 @@ def _attention_shape(cfg: RunConfig, tp: int) -> Tuple[int, int]:
                 f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={heads}: "
                 "change one of them or set model.kv_channels"
             )
-        kv_channels = m.hidden_size // heads
+        kv_channels = _defaults(m)["kv_channels"]
     else:
         kv_channels = m.kv_channels
     if m.position_embedding == "rope" and kv_channels % 2:
@@ -193,12 +209,7 @@ def _attention_shape(cfg: RunConfig, tp: int) -> Tuple[int, int]:
 
 def _ffn_size(cfg: RunConfig, tp: int) -> int:
     m = cfg.model
-    if m.ffn_hidden_size is not None:
-        ffn = m.ffn_hidden_size
-    elif m.activation == "swiglu":
-        ffn = 256 * math.ceil(int(8 * m.hidden_size / 3) / 256)
-    else:
-        ffn = 4 * m.hidden_size
+    ffn = _defaults(m)["ffn_hidden_size"] if m.ffn_hidden_size is None else m.ffn_hidden_size
     if ffn % tp:
         raise ConfigError(
             f"model.ffn_hidden_size={ffn} is not divisible by parallel.tensor_parallel_size={tp}: "
@@ -526,7 +537,7 @@ def derive(cfg: RunConfig) -> Derived:
     moe, moe_layers = moe_spec(cfg, ffn, dp, tp, cp)
     check_peft(cfg, kv_channels, ffn, moe_layers)
     check_objective(cfg)
-    max_pos = m.max_position_embeddings or m.seq_length
+    max_pos = m.max_position_embeddings or _defaults(m)["max_position_embeddings"]
     if m.position_embedding == "learned" and m.seq_length > max_pos:
         raise ConfigError(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings={max_pos}: raise the latter"

@@ -103,7 +103,7 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
         names = ", ".join(map(str, hf.value("architectures", list, [])))
         raise ConfigError(f"input={input}: model_type={kind!r} ({names}) is not "
                           f"supported: supported are {', '.join(FAMILIES)}")
-    _check_output(output)
+    check_output(output)
     name = name or default_name(input)
     family = FAMILIES[kind]
     files = hf_files.read_weights(input)
@@ -125,7 +125,8 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     return fine_tune_command(cfg, output, parallel)
 
 
-def _check_output(output: str) -> None:
+def check_output(output: str) -> None:
+    """``output`` is new or an empty directory (a conversion never writes over anything)."""
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
 
@@ -133,7 +134,7 @@ def _check_output(output: str) -> None:
 def _from_peft(input: str, output: str, parallel: str, base: Optional[str]) -> str:
     """The ``peft`` adapter directory ``input`` as an adapter checkpoint of ``base``; returns the
     command that goes on training it (the adapters' settings spelled out, as the run needs them)."""
-    _check_output(output)
+    check_output(output)
     if not bundled.has_option("parallel", parallel):
         composed_config(parallel, "gpt")  # the one line listing the layouts
     peft = lora.import_peft(input, base, output)
@@ -242,14 +243,15 @@ def _read(paths: Dict[str, str]) -> Dict[str, bytes]:
     return {name: untrusted.read_bytes(path, limits[name], name, CheckpointError) for name, path in paths.items()}
 
 
-def fine_tune_command(cfg: RunConfig, output: str, parallel: str) -> str:
+def fine_tune_command(cfg: RunConfig, output: str, parallel: str, load_optimizer: bool = False) -> str:
     """``launch.py`` continuing from the import: ``model=from_checkpoint`` reads the model from the
     checkpoint's own config, as data (a checkpoint is never a config search path). BERT and T5
     need their sentence-split corpus (``data.blend``), which the user puts in place of the
-    placeholder."""
+    placeholder. ``load_optimizer``: the import carries optimizer state, which the run loads."""
     par = cfg.parallel
     devices = par.tensor_parallel_size * par.pipeline_parallel_size
-    command = (f"python launch.py model=from_checkpoint checkpoint.load={output} checkpoint.load_optimizer=false "
+    fresh = "" if load_optimizer else " checkpoint.load_optimizer=false"
+    command = (f"python launch.py model=from_checkpoint checkpoint.load={output}{fresh} "
                f"parallel={parallel} trainer.devices={devices}")
     if cfg.model.arch == "gpt":
         return command
@@ -285,7 +287,7 @@ def to_hf(input: str, output: str, dtype: Optional[str] = None,
     a ``peft`` adapter directory of the Hugging Face model ``base`` (a name or directory, recorded)."""
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype={dtype}: use {', '.join(EXPORT_DTYPES)} (default: the checkpoint's own)")
-    _check_output(output)
+    check_output(output)
     adapter_only = store.adapter_only(store.validate(input, "input"))
     own = adapter_only or standalone.read_config(input).peft.name == "lora"
     if own and not merge:

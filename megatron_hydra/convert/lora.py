@@ -32,7 +32,6 @@ import copy
 import dataclasses
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
@@ -319,6 +318,5 @@ def write_adapters(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig,
         raise ValueError(f"{wrong[0]}: {given.get(wrong[0])} given, {meta['shapes'].get(wrong[0])} in the model")
     dtypes = {str(t.dtype) for t in tensors.values()}
     meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"
-    with warnings.catch_warnings():  # DCP's note that it writes from one process: intended here
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    with standalone.one_process():  # DCP's note that it writes from one process: intended here
         lazy_write.write(path, tensors, meta)

@@ -14,7 +14,11 @@ weights go into our optimizer entries (``optim/<name>/exp_avg``, ``exp_avg_sq``,
 ``main/<name>``) and the checkpoint records Megatron's iteration and consumed samples, so a run
 loading it resumes where Megatron stopped, with its moments. Otherwise the weights alone are
 written (step 0) and the result says why: the run starts its optimizer afresh
-(``checkpoint.load_optimizer=false``).
+(``checkpoint.load_optimizer=false``). Either way the printed command carries the optimizer,
+schedule, batch and precision settings the arguments record (``megatron_args.training``).
+
+Every model tensor of the source must be read by one of ours (``megatron_names.ignorable`` lists
+what may be left): a leftover one is a feature the arguments did not reveal, refused in one line.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_hydra import untrusted
-from megatron_hydra.checkpoint import lazy_write, plan, standalone
+from megatron_hydra.checkpoint import plan, standalone
 from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.config import RunConfig
 from megatron_hydra.convert import megatron_dist, megatron_legacy, staging
-from megatron_hydra.convert.api import check_layout, composed_config, default_name, fine_tune_command
-from megatron_hydra.convert.megatron_args import model_of
+from megatron_hydra.convert.api import check_layout, check_output, composed_config, default_name, fine_tune_command
+from megatron_hydra.convert.megatron_args import model_of, training
 from megatron_hydra.convert.megatron_export import to_megatron
 from megatron_hydra.convert.megatron_names import Part, parts
 from megatron_hydra.errors import CheckpointError, ConfigError
@@ -124,6 +128,18 @@ class _Source:
             return self.ck.dtype(megatron_dist.region(self.ck, part, shape)[0])
         return self.ck.dtype(part)
 
+    def check_all_read(self, places: Dict[str, Part], tied: bool) -> None:
+        """Every model tensor of the source is read by one of ``places`` (the ignorable aside)."""
+        wanted = list(places.values())
+        if self.kind == "torch_dist":
+            left = megatron_dist.unused(self.ck, wanted, tied)
+        else:
+            left = self.ck.unused(wanted, tied)
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise CheckpointError(f"{self.ck.path}: holds {left[0]}{more}, which no tensor of the model its arguments "
+                                  "describe reads: a feature this import does not map; refused rather than dropped")
+
 
 def _open(path: str) -> _Source:
     if megatron_dist.is_dist(path):
@@ -145,7 +161,7 @@ def _model_tensors(source: _Source, places: Dict[str, Part], shapes) -> Dict[str
 
 def _state(ck, part: Part, shape, kind: str) -> LazyTensor:
     """One optimizer state tensor (``kind``: exp_avg, fp32_param, ...) of ``part``, read when written."""
-    prefix = f"{megatron_dist.OPTIMIZER_PREFIX}{kind}."
+    prefix = f"{megatron_dist.STATE_PREFIX}{kind}."
     key = megatron_dist.region(ck, part, shape, prefix)[0]
     return LazyTensor(tuple(shape), ck.dtype(key), lambda: megatron_dist.read_part(ck, part, shape, prefix))
 
@@ -164,12 +180,6 @@ def _optimizer_tensors(source: _Source, places: Dict[str, Part], shapes, step: i
     return out
 
 
-def _write(path: str, model: Dict[str, LazyTensor], optimizer: Dict[str, LazyTensor], meta: dict) -> None:
-    """Model and optimizer entries one at a time (``lazy_write``'s planner), then ``meta.json``."""
-    with megatron_dist.one_process():
-        lazy_write.write(path, model, meta, optimizer)
-
-
 def _save(stage: str, source: _Source, cfg: RunConfig, derived, places, shapes, iteration: int) -> str:
     """Write the checkpoint into ``stage``; returns the note on the optimizer state."""
     model = _model_tensors(source, places, shapes)
@@ -178,24 +188,22 @@ def _save(stage: str, source: _Source, cfg: RunConfig, derived, places, shapes, 
         return f"optimizer state not carried: {source.why}; a run loading it starts its optimizer afresh"
     step = megatron_dist.optimizer_step(source.ck.common)
     consumed = getattr(source.args, "consumed_train_samples", 0)
-    meta = plan.meta(cfg, derived, iteration, consumed if isinstance(consumed, int) else 0, saved_layout=LAYOUT)
-    dtypes = {str(t.dtype) for t in model.values()}
-    meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"
-    _write(stage, model, _optimizer_tensors(source, places, shapes, step, model), meta)
-    return (f"optimizer state carried (Adam step {step}); a run loading it resumes at iteration {iteration}: set "
-            f"trainer.max_steps above {iteration}")
+    standalone.save_tensors(stage, model, cfg, derived, LAYOUT,
+                            optimizer=_optimizer_tensors(source, places, shapes, step, model), step=iteration,
+                            consumed_samples=consumed if isinstance(consumed, int) else 0)
+    return f"optimizer state carried (Adam step {step}); a run loading it resumes at iteration {iteration}"
 
 
 def from_megatron(input: str, output: str, parallel: str = "single", name: Optional[str] = None,
                   iteration: Optional[int] = None) -> Imported:
     """Import the Megatron-LM checkpoint ``input`` into our checkpoint at ``output``; ``parallel``
     checks that the model splits that way and goes into the command continuing from it."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    check_output(output)
     path = locate(input, iteration)
     source = _open(path)
     done = _iteration(source.iteration, path)
     found = model_of(source.args, source.args_file, name or default_name(_named_dir(path)))
+    overrides, notes = training(source.args, source.args_file)
     composed = composed_config(parallel, "gpt")
     cfg = RunConfig(model=found.model, parallel=composed.parallel, run_dir="unused")
     check_layout(cfg)
@@ -203,13 +211,16 @@ def from_megatron(input: str, output: str, parallel: str = "single", name: Optio
     cfg.parallel = composed.parallel  # the intended layout, recorded; loading ignores it
     shapes = plan.logical_shapes(derived)
     places = parts(list(shapes), cfg.model.activation == "swiglu")
+    source.check_all_read(places, cfg.model.tie_embeddings)
     with staging.staged(output) as stage:
-        notes = [*found.notes, _save(stage, source, cfg, derived, places, shapes, done)]
-    command = fine_tune_command(cfg, output, parallel)
-    if source.main is not None:
-        command = command.replace(" checkpoint.load_optimizer=false", "")
+        notes = [*found.notes, *notes, _save(stage, source, cfg, derived, places, shapes, done)]
+    carried = source.main is not None
+    if carried and overrides.get("trainer.max_steps", 0) <= done:
+        notes.append(f"set trainer.max_steps above {done}, the iteration the run resumes at")
+    command = " ".join([fine_tune_command(cfg, output, parallel, load_optimizer=carried),
+                        *(f"{key}={value}" for key, value in overrides.items())])
     where = f"{source.kind}, iteration {done}, tp{found.tp} x pp{found.pp}"
-    return Imported(f"{input} ({where}) -> {output}", command, source.main is not None, notes)
+    return Imported(f"{input} ({where}) -> {output}", command, carried, notes)
 
 
 def _named_dir(path: str) -> str:

@@ -9,9 +9,14 @@ both are read. Every value is type-checked where it is read (``mapping.HFConfig`
 
 Semantics taken over exactly:
 
-- GeLU: Megatron-LM's ``bias_gelu_fusion`` (on by default with biases) computes the tanh
-  approximation, as does ``openai_gelu`` and Transformer Engine's fused MLP; the exact erf form
-  only runs unfused in the local spec. So the activation is ``gelu_tanh`` in those cases.
+- GeLU: Megatron-Core's MLP computes the tanh approximation in its fused bias-GeLU kernel
+  (``bias_activation_fusion``, which Megatron-LM sets from ``bias_gelu_fusion``: on by default,
+  forced off by ``--disable-bias-linear``) and in Transformer Engine's activation
+  (``use_te_activation_func``); otherwise it calls the exact ``F.gelu``, whichever spec.
+  ``openai_gelu`` only reaches the pre-Megatron-Core models (``use_legacy_models``). So the
+  activation is ``gelu_tanh`` exactly when ``(bias_gelu_fusion and add_bias_linear) or
+  use_te_activation_func`` (or ``openai_gelu`` with ``use_legacy_models``).
+- QKV bias: ``linear_qkv`` has a bias when ``add_bias_linear or add_qkv_bias``.
 - RoPE: rotate-half over the whole head (``rotary_percent`` 1, not interleaved), base
   ``rotary_base``; ``use_rope_scaling`` is Llama 3.1's scaling with Megatron's fixed constants
   (low 1, high 4, original context 8192), ``rotary_seq_len_interpolation_factor`` the linear one.
@@ -22,18 +27,26 @@ Semantics taken over exactly:
   kept as ours, said in the notes: the padding rows then are ordinary (never seen) tokens.
 
 A feature we do not compute (MoE, multi-latent attention, partial or interleaved rotary, sliding
-windows, squared ReLU, multi-token prediction, ...) is one line naming the argument.
+windows, squared ReLU, multi-token prediction, layers without RoPE, other softmaxes, gated
+attention output, ...) is one line naming the argument.
+
+The arguments also say how the run trained: ``training`` turns exactly these of them into our
+overrides, so that a run continuing from the import keeps them (Adam's moments built under
+``adam_beta2`` 0.999 are not continued under another): ``lr``, ``min_lr``, ``adam_beta1``,
+``adam_beta2``, ``adam_eps``, ``weight_decay``, ``clip_grad``, ``lr_decay_style`` (cosine, linear,
+constant), ``train_iters``, ``lr_decay_iters``, ``lr_warmup_iters`` (or ``lr_warmup_fraction`` of
+the decay length, as Megatron-LM computes it), ``global_batch_size``, ``micro_batch_size``, and
+``bf16`` / ``fp16`` (else fp32). A schedule counted in samples or a decay style we lack is a note.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_hydra.config.schema import ModelConfig, RopeScalingConfig
 from megatron_hydra.convert.mapping import HFConfig
-from megatron_hydra.convert.megatron_pickle import MegatronEnum
 from megatron_hydra.errors import CheckpointError
 
 # Arguments naming a feature our model lacks, and the value that means "not used".
@@ -41,20 +54,21 @@ UNSUPPORTED = {
     "num_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "squared_relu": False,
     "quick_geglu": False, "apply_residual_connection_post_layernorm": False, "window_size": None,
     "mtp_num_layers": None, "heterogeneous_layers_config_path": None, "softmax_scale": None, "qk_l2_norm": False,
-    "is_hybrid_model": False,
+    "is_hybrid_model": False, "no_rope_freq": None, "softmax_type": "vanilla", "attention_output_gate": False,
+    "glu_linear_offset": 0.0, "activation_func_clamp_value": None, "experimental_attention_variant": None,
+    "linear_attention_freq": None,
 }
+SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass
 class MegatronModel:
-    """What the arguments say about the model: our config, the padded vocabulary the tensors
-    have, the source's layout, and notes for the user."""
+    """What the arguments say about the model: our config, the source's layout, and notes for
+    the user."""
 
     model: ModelConfig
-    padded_vocab: int
     tp: int
     pp: int
-    params_dtype: str
     notes: List[str] = field(default_factory=list)
 
 
@@ -75,7 +89,8 @@ def _refuse_features(a: HFConfig) -> None:
         if value in (unused, None, False, 0):
             continue
         raise a.unsupported(key, value if isinstance(value, (int, float, str, bool)) else str(value),
-                            "our models have no such feature; only Megatron GPT models with dense MLPs import")
+                            "our models have no such feature; only Megatron GPT models with dense MLPs and plain "
+                            "softmax attention import")
     if a.get("transformer_impl") not in (None, "local", "transformer_engine"):
         raise a.unsupported("transformer_impl", str(a.get("transformer_impl")), "local and transformer_engine are")
 
@@ -86,6 +101,10 @@ def _position(a: HFConfig) -> str:
         kind = "rope"  # Megatron-LM's older switch for the same thing
     if kind not in ("learned_absolute", "rope"):
         raise a.unsupported("position_embedding_type", kind, "learned_absolute and rope are")
+    if kind == "learned_absolute" and not a.value("add_position_embedding", bool, True):
+        raise a.unsupported("add_position_embedding", False, "with position_embedding_type=learned_absolute it means "
+                            "a model without position embeddings (Megatron-LM's deprecated --no-position-embedding), "
+                            "which our models do not compute; learned_absolute with its table, or rope, import")
     if kind == "rope" and a.value("rotary_percent", float, 1.0) != 1.0:
         raise a.unsupported("rotary_percent", a.value("rotary_percent", float), "only 1.0 is (rotary over whole heads)")
     return "learned" if kind == "learned_absolute" else "rope"
@@ -102,12 +121,12 @@ def _rope_scaling(a: HFConfig) -> Optional[RopeScalingConfig]:
 
 
 def _activation(a: HFConfig, bias: bool) -> str:
+    """The module docstring's GeLU rule."""
     if a.value("swiglu", bool, False):
         return "swiglu"
-    impl = a.get("transformer_impl")
     fused = a.value("bias_gelu_fusion", bool, False) and bias
-    te = impl == "transformer_engine" or (isinstance(impl, MegatronEnum) and "transformer_engine" in str(impl.value))
-    return "gelu_tanh" if a.value("openai_gelu", bool, False) or fused or te else "gelu"
+    legacy = a.value("openai_gelu", bool, False) and a.value("use_legacy_models", bool, False)
+    return "gelu_tanh" if fused or a.value("use_te_activation_func", bool, False) or legacy else "gelu"
 
 
 def _normalization(a: HFConfig) -> str:
@@ -128,10 +147,39 @@ def _vocab(a: HFConfig, padded: int, notes: List[str]) -> int:
     return padded
 
 
-def _dtype(a: HFConfig) -> str:
-    if a.value("bf16", bool, False):
-        return "bfloat16"
-    return "float16" if a.value("fp16", bool, False) else "float32"
+def _warmup(a: HFConfig, train: Optional[int], decay: Optional[int]) -> Optional[int]:
+    """Warmup steps: Megatron-LM's ``lr_warmup_fraction`` of the decay length (``lr_decay_iters``,
+    else ``train_iters``) when given, else ``lr_warmup_iters``."""
+    fraction = a.value("lr_warmup_fraction", float, None)
+    length = decay if decay is not None else train
+    if fraction is not None:
+        return round(fraction * length) if length is not None else None
+    return a.value("lr_warmup_iters", int, None)
+
+
+def training(args, path: str) -> Tuple[Dict[str, object], List[str]]:
+    """Our overrides (key -> value) for the optimizer, schedule, batch and precision Megatron-LM's
+    ``args`` (read from ``path``) trained with (the module docstring lists them), and notes on
+    what has none."""
+    a = arguments(args, path)
+    precision = "bf16" if a.value("bf16", bool, False) else "fp16" if a.value("fp16", bool, False) else "fp32"
+    out: Dict[str, object] = {"precision": precision}
+    notes: List[str] = []
+    for key in ("lr", "min_lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"):
+        out[f"optim.{key}"] = a.value(key, float, None)
+    style = a.value("lr_decay_style", str, None)
+    if style in SCHEDULES:
+        out["optim.lr_schedule"] = style
+    elif style is not None:
+        notes.append(f"lr_decay_style={style} has no equivalent here: the command keeps our optim.lr_schedule")
+    train, decay = a.value("train_iters", int, None), a.value("lr_decay_iters", int, None)
+    out.update({"trainer.max_steps": train, "optim.decay_steps": decay, "optim.warmup_steps": _warmup(a, train, decay),
+                "data.global_batch_size": a.value("global_batch_size", int, None),
+                "data.micro_batch_size": a.value("micro_batch_size", int, None)})
+    if train is None and a.value("train_samples", int, None) is not None:
+        notes.append("the run counted its schedule in samples (train_samples): set trainer.max_steps, "
+                     "optim.decay_steps and optim.warmup_steps in steps of data.global_batch_size")
+    return {k: v for k, v in out.items() if v is not None}, notes
 
 
 def model_of(args, path: str, name: str) -> MegatronModel:
@@ -141,7 +189,7 @@ def model_of(args, path: str, name: str) -> MegatronModel:
     heads, hidden = a.count("num_attention_heads"), a.count("hidden_size")
     groups = a.count("num_query_groups", heads) if a.value("group_query_attention", bool, False) else heads
     bias = a.value("add_bias_linear", bool, True)
-    qkv_bias = a.value("add_qkv_bias", bool, bias)
+    qkv_bias = bias or a.value("add_qkv_bias", bool, False)
     seq = a.count("seq_length")
     padded = a.count("padded_vocab_size")
     notes: List[str] = []
@@ -163,5 +211,5 @@ def model_of(args, path: str, name: str) -> MegatronModel:
         attention_dropout=a.value("attention_dropout", float, 0.1),
         init_std=a.value("init_method_std", float, 0.02),
     )
-    return MegatronModel(model, padded, a.count("tensor_model_parallel_size", 1),
-                         a.count("pipeline_model_parallel_size", 1), _dtype(a), notes)
+    return MegatronModel(model, a.count("tensor_model_parallel_size", 1), a.count("pipeline_model_parallel_size", 1),
+                         notes)

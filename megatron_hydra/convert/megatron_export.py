@@ -13,7 +13,10 @@ Megatron-Core itself writes per-layer chunks; beside them go the local layer spe
 
 The weights alone go back (the run continues with ``--no-load-optim --no-load-rng``); Megatron-LM's
 arguments are not written, since Megatron-LM compares its own against them: the printed flags
-describe the model to it instead. A model feature Megatron-Core lacks is one line.
+describe the model to it instead (its shape, sequence length and tokenizer). The activation
+follows Megatron-Core's rule (``megatron_args``): the tanh GeLU is its fused bias-GeLU, on by
+default with biases, and the exact one needs ``--no-bias-gelu-fusion``; a tanh GeLU without
+biases has no flag. A model feature Megatron-Core lacks is one line.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -32,11 +35,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from megatron_hydra.checkpoint import plan, sharded, standalone, store
 from megatron_hydra.checkpoint.safe_reader import dcp_failure
+from megatron_hydra.checkpoint.standalone import one_process
+from megatron_hydra.config.schema import DataConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.convert import staging
-from megatron_hydra.convert.megatron_dist import one_process
+from megatron_hydra.convert.api import check_output
 from megatron_hydra.convert.megatron_names import DECODER_LAYERS, Part, parts
-from megatron_hydra.errors import ConfigError
+from megatron_hydra.data import bpe_files
+from megatron_hydra.errors import ConfigError, DataError
 
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -88,10 +94,12 @@ class Exported:
     directory: str
     iteration: int
     flags: List[str]
+    notes: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        return (f"exported -> {self.directory} (torch_dist, iteration {self.iteration})\nload it in Megatron-LM with:\n"
-                f"  {' '.join(self.flags)}")
+        lines = [f"exported -> {self.directory} (torch_dist, iteration {self.iteration})",
+                 *(f"note: {n}" for n in self.notes), "load it in Megatron-LM with:"]
+        return "\n".join([*lines, f"  {' '.join(self.flags)}"])
 
 
 def why_not(cfg: TransformerConfig) -> str:
@@ -108,6 +116,12 @@ def why_not(cfg: TransformerConfig) -> str:
         (cfg.scale_embeddings, "model.scale_embeddings"),
         (cfg.softmax_scale is not None, "model.query_pre_attn_scalar"),
         (cfg.local_rope_theta is not None, "model.local_rope_theta"),
+        (cfg.activation == "gelu_tanh" and not cfg.add_bias_linear,
+         "model.activation=gelu_tanh without biases (Megatron-Core's tanh GeLU is its fused bias-GeLU)"),
+        (cfg.add_bias_linear and not cfg.qkv_bias, "model.qkv_bias=false with model.add_bias_linear=true (Megatron's "
+                                                    "linear_qkv has a bias whenever the other layers do)"),
+        (cfg.position_embedding == "rope" and not float(cfg.rope_theta).is_integer(),
+         f"model.rope_theta={cfg.rope_theta} (Megatron-LM's --rotary-base is an integer)"),
         (s is not None and not (s.type == "linear" and float(s.factor).is_integer()) and not (
             s.type == "llama3" and (s.original_max_position_embeddings, s.low_freq_factor, s.high_freq_factor)
             == (8192, 1.0, 4.0)), "model.rope_scaling (Megatron has llama3 with its fixed constants, integer linear)"),
@@ -115,12 +129,40 @@ def why_not(cfg: TransformerConfig) -> str:
     return next((what for bad, what in checks if bad), "")
 
 
-def flags(cfg: TransformerConfig, load: str) -> List[str]:
-    """Megatron-LM's flags for the model ``cfg`` describes, loading the export at ``load``."""
+def tokenizer_flags(data: DataConfig, vocab_size: int) -> Tuple[List[str], List[str]]:
+    """Megatron-LM's tokenizer flags for the run's ``data.tokenizer`` (a model of ``vocab_size``
+    tokens), and a note where it has no counterpart there: then the NullTokenizer of the same
+    size stands in (enough to load the model and train on data already tokenized)."""
+    tok = data.tokenizer
+    if data.name != "synthetic" and tok.path:
+        if tok.type == "hf":
+            folder = os.path.dirname(tok.path) if tok.path.endswith(".json") else tok.path  # its tokenizer.json's
+            return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder], []
+        if tok.type == "sentencepiece":
+            return ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", tok.path], []
+        if tok.type == "tiktoken":
+            return ["--tokenizer-type", "Llama3Tokenizer", "--tokenizer-model", tok.path], []
+        if tok.type == "gpt2_bpe":
+            try:
+                vocab, merges = bpe_files.gpt2_files(os.path.expanduser(tok.path), tok.merge_file)
+                return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges], []
+            except DataError:
+                pass  # its files are not on this machine: the stand-in below
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_size - 1]  # plus its end-of-document id
+    if data.name == "synthetic":
+        return null, []
+    return null, [f"data.tokenizer.type={tok.type} has no Megatron-LM counterpart here: the flags name a NullTokenizer "
+                  f"of the model's {vocab_size} tokens; give Megatron-LM the tokenizer the data was made with"]
+
+
+def flags(cfg: TransformerConfig, load: str, tokenizer: Tuple[str, ...] = ()) -> List[str]:
+    """Megatron-LM's flags for the model ``cfg`` describes, loading the export at ``load``, with
+    the ``tokenizer`` flags (``tokenizer_flags``)."""
     out = ["--num-layers", cfg.num_layers, "--hidden-size", cfg.hidden_size, "--ffn-hidden-size", cfg.ffn_hidden_size,
            "--num-attention-heads", cfg.num_attention_heads, "--kv-channels", cfg.kv_channels,
-           "--max-position-embeddings", cfg.max_position_embeddings, "--normalization",
-           "RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm", "--norm-epsilon", cfg.norm_eps]
+           "--seq-length", cfg.seq_length, "--max-position-embeddings", cfg.max_position_embeddings,
+           "--normalization", "RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm", "--norm-epsilon",
+           cfg.norm_eps, *tokenizer]
     if cfg.num_query_groups != cfg.num_attention_heads:
         out += ["--group-query-attention", "--num-query-groups", cfg.num_query_groups]
     if cfg.position_embedding == "rope":
@@ -129,7 +171,8 @@ def flags(cfg: TransformerConfig, load: str) -> List[str]:
             out += ["--use-rope-scaling", "--rope-scaling-factor", cfg.rope_scaling.factor]
         elif cfg.rope_scaling is not None:
             out += ["--rotary-seq-len-interpolation-factor", int(cfg.rope_scaling.factor)]
-    out += {"swiglu": ["--swiglu"], "gelu_tanh": ["--openai-gelu"], "gelu": ["--no-bias-gelu-fusion"]}[cfg.activation]
+    # gelu_tanh: Megatron's default fused bias-GeLU (why_not refuses it without biases)
+    out += {"swiglu": ["--swiglu"], "gelu_tanh": [], "gelu": ["--no-bias-gelu-fusion"]}[cfg.activation]
     out += [] if cfg.add_bias_linear else ["--disable-bias-linear"] + (["--add-qkv-bias"] if cfg.qkv_bias else [])
     out += [] if cfg.tie_embeddings else ["--untie-embeddings-and-output-weights"]
     out += ["--qk-layernorm"] if cfg.qk_norm else []
@@ -184,8 +227,7 @@ def _extra_states(layers: int) -> Dict[str, io.BytesIO]:
 
 def to_megatron(input: str, output: str) -> Exported:
     """Export our GPT checkpoint ``input`` as Megatron-LM's ``torch_dist`` checkpoint directory ``output``."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise ConfigError(f"output={output} already exists and is not empty: choose a new directory")
+    check_output(output)
     cfg, derived = standalone.checked_config(input)
     tcfg = derived.transformer
     problem = why_not(tcfg)
@@ -214,4 +256,5 @@ def to_megatron(input: str, output: str) -> Exported:
             json.dump(METADATA, f)
         with open(os.path.join(stage, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(f"{step}\n")
-    return Exported(output, step, flags(tcfg, output))
+    tokenizer, notes = tokenizer_flags(cfg.data, tcfg.vocab_size)
+    return Exported(output, step, flags(tcfg, output, tuple(tokenizer)), notes)

@@ -28,11 +28,12 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from megatron_hydra.convert import megatron_pickle
-from megatron_hydra.convert.megatron_names import EXTRA_STATE, VOCAB, Part, split_layer
+from megatron_hydra.convert.megatron_names import EXTRA_STATE, VOCAB, Part, ignorable, split_layer
 from megatron_hydra.errors import CheckpointError
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+MODEL_CHUNK = re.compile(r"^model(\d+)$")
 OPTIMIZER_NOT_CARRIED = ("the legacy format keys Adam's state by parameter index in Megatron's param groups (and "
                          "the distributed optimizer's distrib_optim.pt by flat gradient buckets), an order the file "
                          "does not record: not carried (save with --ckpt-format torch_dist to carry it)")
@@ -54,7 +55,12 @@ def rank_dirs(path: str) -> Dict[Tuple[int, int], str]:
         if match and os.path.islink(os.path.join(path, name)):
             raise CheckpointError(f"{path}/{name}: is a symbolic link, which no Megatron checkpoint holds: refused")
         if match:
-            found[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(path, name)
+            rank = int(match.group(1)), int(match.group(2) or 0)
+            if rank in found:
+                raise CheckpointError(f"{path}: both {os.path.basename(found[rank])} and {name} hold tensor rank "
+                                      f"{rank[0]}, pipeline rank {rank[1]}: two saves are mixed in one directory; "
+                                      "keep the one that matches the arguments")
+            found[rank] = os.path.join(path, name)
     tp = 1 + max(t for t, _ in found)
     pp = 1 + max(p for _, p in found)
     missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in found]
@@ -66,14 +72,23 @@ def rank_dirs(path: str) -> Dict[Tuple[int, int], str]:
 
 
 def _chunks(state: Dict[str, Any], file: str) -> List[Dict[str, torch.Tensor]]:
-    """The model chunks a file holds: ``model`` or, with virtual pipeline stages, ``model0``, ..."""
-    if "model" in state:
-        chunks = [state["model"]]
-    else:
-        chunks = [state[f"model{v}"] for v in range(sum(1 for k in state if re.fullmatch(r"model\d+", str(k))))
-                  if f"model{v}" in state]
+    """The model chunks a file holds: ``model`` or, with virtual pipeline stages, ``model0``,
+    ``model1``, ... (every one of them: a gap would shift the layers of every later chunk)."""
+    numbered = sorted(int(m.group(1)) for m in map(MODEL_CHUNK.match, map(str, state)) if m)
+    if "model" in state and numbered:
+        raise CheckpointError(f"{file}: holds both 'model' and 'model{numbered[0]}': not one Megatron-LM save; "
+                              "refused")
+    if numbered != list(range(len(numbered))):
+        missing = min(set(range(numbered[-1] + 1)) - set(numbered))
+        raise CheckpointError(f"{file}: holds model chunks {', '.join(f'model{v}' for v in numbered)} but no "
+                              f"model{missing}: the virtual pipeline stages are incomplete; refused")
+    chunks = [state["model"]] if "model" in state else [state[f"model{v}"] for v in numbered]
     if not chunks or not all(isinstance(c, dict) for c in chunks):
         raise CheckpointError(f"{file}: holds no model state dict: not a Megatron-LM checkpoint file")
+    if any(str(k) == "language_model" or str(k).startswith("language_model.") for c in chunks for k in c):
+        raise CheckpointError(f"{file}: holds a pre-Megatron-Core model (language_model.* keys: Megatron-LM's legacy "
+                              "models, --use-legacy-models): only Megatron-Core GPT checkpoints import; convert it "
+                              "with Megatron-LM's tools/checkpoint/convert.py to the Megatron-Core format first")
     return [{k: v for k, v in c.items() if isinstance(v, torch.Tensor) and not str(k).endswith(EXTRA_STATE)}
             for c in chunks]
 
@@ -96,6 +111,15 @@ class LegacyCheckpoint:
     def has_optimizer(self) -> bool:
         return self.first.get("optimizer") is not None or any(
             os.path.exists(os.path.join(self.path, name, "distrib_optim.pt")) for name in os.listdir(self.path))
+
+    def unused(self, parts: List[Part], tied: bool) -> List[str]:
+        """The tensors of the files that none of ``parts`` reads (``megatron_names.ignorable``
+        aside), each named with the pipeline rank and chunk holding it."""
+        used = {self._where(part) for part in parts}
+        held = {(p, v, key) for (_, p), chunks in self.chunks.items()
+                for v, chunk in enumerate(chunks) for key in chunk}
+        return [f"{key} (pipeline rank {p}, model chunk {v})" for p, v, key in sorted(held - used)
+                if not ignorable(key, tied)]
 
     def _stage(self, layer: int) -> Tuple[int, int, int]:
         """(pp rank, virtual stage, local index) holding the global ``layer``."""

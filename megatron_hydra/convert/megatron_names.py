@@ -23,6 +23,10 @@ Megatron-Core names a GPT model's tensors ``embedding.word_embeddings.weight``,
 - **Layers**: ``torch_dist`` stacks every layer's tensor into one (``decoder.layers.<name>``, the
   layer the first dim) unless saved per layer (``decoder.layers.<i>.<name>``); legacy files
   number each pipeline stage's layers from 0.
+
+Every source tensor must be read by some tensor of ours (``ignorable`` lists the exceptions): a
+tensor left over belongs to a feature the arguments did not reveal, and dropping it silently
+would give another model.
 """
 
 from __future__ import annotations
@@ -69,11 +73,18 @@ OUTER_NAMES: Dict[str, str] = {
     "output_layer.weight": "output_weight",
 }
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 # The dim a tensor-parallel rank holds a slice of (legacy shards); absent: replicated.
 TP_DIM = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
           "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0,
           "mlp.linear_fc2.weight": 1, "embedding.word_embeddings.weight": 0, "output_layer.weight": 0}
+
+
+def ignorable(key: str, tied: bool) -> bool:
+    """A source tensor an import may leave unread: a layer's ``_extra_state`` (Transformer Engine's
+    FP8 metadata, empty in the local spec), a rotary table (``rotary_pos_emb.inv_freq``: computed
+    from the arguments), and, with tied embeddings, the last pipeline stage's copy of the word
+    embeddings (``output_layer.weight``)."""
+    return EXTRA_STATE in key or "rotary_pos_emb." in key or (tied and key == "output_layer.weight")
 
 
 def canonical(name: str) -> str:
@@ -126,8 +137,3 @@ def parts(ours: List[str], gated: bool) -> Dict[str, Part]:
             raise ConfigError(f"tensor {name} of this model has no counterpart in Megatron-Core's GPT model: "
                               "only dense GPT models convert")
     return out
-
-
-def layer_tensor_names(keys) -> Dict[str, None]:
-    """The distinct layer tensor names (canonical) among Megatron keys, in order."""
-    return {split[1]: None for split in map(split_layer, keys) if split is not None}

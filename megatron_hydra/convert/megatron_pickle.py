@@ -16,9 +16,11 @@ own), a Megatron dataclass a ``Record`` of its fields. ``argparse.Namespace``,
 values. The list is Megatron-Core's own (``megatron.core.safe_globals``), each entry checked here;
 it is the whole allowlist while a file is read, whatever else the process registered.
 
-The DCP ``.metadata`` of a ``torch_dist`` checkpoint is a plain pickle that DCP would unpickle
-without restriction; it is read with ``safe_reader``'s allowlist plus the classes Megatron-Core's
-planner adds (its saved plans and the descriptors of byte entries, which are never loaded).
+A file is opened once, without following a link, and checked to be a regular file on the open
+descriptor; everything read comes through that descriptor, so the file cannot be swapped for a
+link between the check and the read. Its tensors are memory-mapped through the descriptor's own
+path (not the name, which may have changed), or, for ``common.pt``, the file is read whole up to
+a bound.
 """
 
 from __future__ import annotations
@@ -27,23 +29,23 @@ import argparse
 import io
 import os
 import pathlib
-import pickle
 import re
 import stat
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 from megatron_hydra import untrusted
-from megatron_hydra.checkpoint.safe_reader import ALLOWED_GLOBALS
 from megatron_hydra.errors import CheckpointError
 
 COMMON_BYTES = 256 * untrusted.MiB  # common.pt: args, counters, param groups; far below this
-METADATA_BYTES = 1024 * untrusted.MiB  # .metadata lists every saved chunk and plan of every rank
+# A torch.save file older than torch 1.6 is no zip archive and cannot be memory-mapped: it is read
+# whole, so its size is bounded (Megatron-LM's files of that time held a model share each).
+UNZIPPED_BYTES = 4096 * untrusted.MiB
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,9 @@ def _refusal(path: str, error: Exception) -> CheckpointError:
 
 
 def regular(path: str) -> os.stat_result:
-    """``path`` is a regular file, not a link (a link could lead anywhere on this machine)."""
+    """``path`` is a regular file, not a link (a link could lead anywhere on this machine): the
+    one-line check before a file is handed to a reader (``open_checked`` makes it again on the
+    descriptor that is read)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -149,65 +153,40 @@ def regular(path: str) -> os.stat_result:
     return st
 
 
-def load(path: str, limit: int | None = None) -> Any:
+def open_checked(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without following a link and
+    checked on the descriptor (``untrusted.open_regular``)."""
+    regular(path)
+    return untrusted.open_regular(path, "Megatron checkpoint file", CheckpointError, follow_links=False)
+
+
+def _read(f, path: str, limit: int) -> bytes:
+    data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: larger than {limit:,} bytes, more than such a Megatron checkpoint file holds: "
+                              "refused as damaged or crafted")
+    return data
+
+
+def _fd_path(fd: int) -> str:
+    """A path naming the open descriptor ``fd`` itself, not whatever ``path`` names now."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def load(path: str, limit: Optional[int] = None) -> Any:
     """The object pickled in the ``torch.save`` file ``path``, its tensors on the CPU. Without
     ``limit`` the tensors are memory-mapped (a legacy checkpoint's whole model share), not read;
     with it the file is read whole, refused above ``limit`` bytes."""
-    regular(path)
+    fd = open_checked(path)
     try:
-        with _only(_safe_globals()):
+        with os.fdopen(fd, "rb") as f, _only(_safe_globals()):
             if limit is not None:
-                data = untrusted.read_bytes(path, limit, "Megatron checkpoint file", CheckpointError)
-                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "zip" not in str(e).lower():
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)  # a pre-1.6 torch.save
+                return torch.load(io.BytesIO(_read(f, path, limit)), map_location="cpu", weights_only=True)
+            if f.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
+                return torch.load(_fd_path(fd), map_location="cpu", weights_only=True, mmap=True)
+            f.seek(0)  # a pre-1.6 torch.save: no zip, so no mapping
+            return torch.load(io.BytesIO(_read(f, path, UNZIPPED_BYTES)), map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except Exception as e:  # any malformed or refused stream: one line, never a traceback
         raise _refusal(path, e) from None
-
-
-# DCP metadata as Megatron-Core's torch_dist writes it --------------------------------------------
-DCP_EXTRA = {
-    "torch.distributed.checkpoint.metadata": frozenset({"BytesStorageMetadata"}),
-    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = ALLOWED_GLOBALS.get(module, frozenset()) | DCP_EXTRA.get(module, frozenset())
-        if "." in name or name not in allowed:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-        return super().find_class(module, name)
-
-
-def read_metadata(path: str) -> Metadata:
-    """The DCP metadata of the ``torch_dist`` directory ``path``, checked to list tensors and byte
-    entries only, each stored in a plain file of that directory."""
-    file = os.path.join(path, ".metadata")
-    regular(file)
-    try:
-        data = untrusted.read_bytes(file, METADATA_BYTES, "checkpoint metadata file", CheckpointError)
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{file}: refused to load ({type(e).__name__}: {str(e)[:200]}): not a metadata file "
-                              "Megatron-Core's torch_dist writes") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata: refused")
-    for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
-            raise CheckpointError(f"{file}: entry {str(key)[:80]!r} is a {type(md).__name__}: refused")
-    for info in (metadata.storage_data or {}).values():
-        rel = str(getattr(info, "relative_path", ""))
-        if not rel or rel in (".", "..") or os.path.basename(rel) != rel:
-            raise CheckpointError(f"{file}: names the storage file {rel[:80]!r}, outside the checkpoint: refused")
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata

@@ -14,7 +14,13 @@
 Prints the launch.py command, then each flag on one line: the keys it became, or why it needs
 none, or why it has no equivalent, or that it is unknown (misspelled or newer than the table);
 what a script leaves unknown; and the model YAML when the model is no preset. docs/megatron.md.
-Exit status 2 for a command line that cannot be translated or a result derive refuses.
+
+Exit status 0 when the printed overrides compose and config.derive accepts them, flags without
+equivalent or unknown ones included (each is listed with what changes). Exit status 2, with one
+line on stderr, when there is nothing to translate (an option before -- that is not one of the
+above, a script that cannot be read or holds no training command), when the overrides do not
+compose or do not hold a translated value, when derive refuses the result, or when --check's plan
+or dry run fails.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from megatron_hydra.config import RunConfig
 from megatron_hydra.errors import ConfigError, MegatronHydraError, one_line
 from megatron_hydra.migrate.translation import Translation
+from megatron_hydra.migrate.values import hydra_value
 
 
 def compose(overrides: Sequence[str]) -> RunConfig:
@@ -30,12 +31,15 @@ def compose(overrides: Sequence[str]) -> RunConfig:
         raise
 
 
-def check_composed(t: Translation, cfg: RunConfig) -> None:
-    """Every translated key holds its value in ``cfg``: presets and dropped defaults changed nothing."""
+def check_composed(t: Translation, cfg: RunConfig) -> Optional[str]:
+    """Why ``cfg`` does not hold every translated value (a preset or a dropped default changed
+    one), in one line with the override that restores it; None when it holds them all."""
     for key, value in t.keys.items():
         got = _get(cfg, key)
         if not _same(got, value):
-            raise AssertionError(f"{key}: the translation meant {value!r}, the overrides compose to {got!r}")
+            return (f"{key}: the translation means {hydra_value(value)}, but the printed overrides compose to "
+                    f"{hydra_value(got)}: add {key}={hydra_value(value)}")
+    return None
 
 
 def validate(cfg: RunConfig) -> Optional[str]:
@@ -49,9 +53,9 @@ def validate(cfg: RunConfig) -> Optional[str]:
     return None
 
 
-def run_check(cfg: RunConfig, ranks: Optional[List[int]]) -> List[str]:
-    """``mode=plan``, then a dry run of ``ranks`` (rank 0 by default): both print their tables.
-    Returns what was changed for the dry run, one line each."""
+def run_check(cfg: RunConfig, ranks: Optional[List[int]]) -> None:
+    """``mode=plan``, then a dry run of ``ranks`` (rank 0 by default): both print their tables,
+    and what the dry run changes is said first, one line each."""
     from megatron_hydra.launcher import run
 
     plan = copy.deepcopy(cfg)
@@ -61,7 +65,6 @@ def run_check(cfg: RunConfig, ranks: Optional[List[int]]) -> List[str]:
     for line in changed:
         print(f"note: {line}")
     run(dry)
-    return changed
 
 
 def dry_run_config(cfg: RunConfig, ranks: Optional[List[int]]) -> Tuple[RunConfig, List[str]]:

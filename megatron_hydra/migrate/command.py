@@ -13,12 +13,10 @@ from megatron_hydra.migrate.check import check_composed, compose, validate
 from megatron_hydra.migrate.command_line import parse
 from megatron_hydra.migrate.presets import ModelChoice, choose_model, model_yaml, overrides
 from megatron_hydra.migrate.report import Lines, classify, render
-from megatron_hydra.migrate.shell import read_script
+from megatron_hydra.migrate.shell import MAX_SCRIPT_BYTES, read_script
 from megatron_hydra.migrate.translate import translate
 from megatron_hydra.migrate.translation import Translation
 from megatron_hydra.untrusted import read_text
-
-MAX_SCRIPT_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -57,15 +55,18 @@ def migrate(argv: Sequence[str] = (), file: Optional[str] = None, name: Optional
         yaml_text = model_yaml(choice)
         if output is not None:
             yaml_path = os.path.join(output, "model", f"{choice.name}.yaml")
-            os.makedirs(os.path.dirname(yaml_path), exist_ok=True)
-            with open(yaml_path, "w") as f:
-                f.write(yaml_text)
+            try:
+                os.makedirs(os.path.dirname(yaml_path), exist_ok=True)
+                with open(yaml_path, "w") as f:
+                    f.write(yaml_text)
+            except OSError as e:
+                raise ConfigError(f"--output {output}: cannot write {yaml_path} ({e.strerror or e}): give a "
+                                  "writable directory") from None
     args = overrides(t, choice, output if yaml_path else None)
     try:
         cfg = compose(args)
     except ConfigError as e:
         cfg, problem = None, str(e)
     else:
-        check_composed(t, cfg)
-        problem = validate(cfg)
+        problem = check_composed(t, cfg) or validate(cfg)
     return Migration(t, choice, args, classify(t), cfg, problem, unresolved, yaml_text, yaml_path)

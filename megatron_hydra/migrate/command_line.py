@@ -4,8 +4,11 @@ up to the next flag, the last of a repeated flag winning.
 
 The launcher decides the world: ``torchrun`` / ``python -m torch.distributed.launch|run`` with
 ``--nproc-per-node`` (or ``--nproc_per_node``) and ``--nnodes``, ``srun`` with
-``--ntasks-per-node`` and ``--nodes``, ``deepspeed`` with ``--num_gpus`` and ``--num_nodes``; a
-plain ``python pretrain_gpt.py`` is one process.
+``--ntasks-per-node``, ``--nodes`` and ``--ntasks``, ``deepspeed`` with ``--num_gpus`` and
+``--num_nodes``, ``accelerate launch`` with ``--num_processes`` and ``--num_machines``, ``mpirun``
+with ``-np`` / ``-n`` (every process) and ``-N`` / ``--npernode`` / ``-ppn`` (per node); a plain
+``python pretrain_gpt.py`` is one process. A count of every process with neither a per-node nor a
+node count is taken as one node's, said in a note.
 """
 
 from __future__ import annotations
@@ -17,11 +20,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from megatron_hydra.migrate import flags
 
 LAUNCH_MODULES = ("torch.distributed.launch", "torch.distributed.run")
-# launcher option -> what it counts
+# launcher option -> what it counts: the processes per node (devices), the nodes, or every process (world)
 WORLD_OPTIONS = {
     "--nproc-per-node": "devices", "--nproc_per_node": "devices", "--ntasks-per-node": "devices",
     "--num_gpus": "devices", "--num-gpus": "devices", "--gpus-per-node": "devices",
     "--nnodes": "nodes", "--nodes": "nodes", "-N": "nodes", "--num_nodes": "nodes", "--num-nodes": "nodes",
+    "--num_machines": "nodes", "--num-machines": "nodes",
+    "--ntasks": "world", "-n": "world", "--num_processes": "world", "--num-processes": "world",
+}
+MPI_LAUNCHERS = ("mpirun", "mpiexec")
+MPI_OPTIONS = {  # Open MPI's and MPICH's (-N is per node here, not srun's node count)
+    "-np": "world", "-n": "world", "--np": "world", "--n": "world", "-c": "world",
+    "-N": "devices", "--npernode": "devices", "-npernode": "devices", "-ppn": "devices", "--ppn": "devices",
 }
 LAUNCHER_SWITCHES = ("--standalone", "--use_env", "--use-env", "--no_python", "--no-python", "--run_path",
                      "--run-path", "--module", "-m")
@@ -35,6 +45,7 @@ class CommandLine:
     world_flags: Dict[str, str]  # the launcher options that gave devices / num_nodes
     script: Optional[str]
     raw: Dict[str, List[str]] = field(default_factory=dict)  # every flag given -> its value words
+    counted: Dict[str, Tuple[str, ...]] = field(default_factory=dict)  # devices / nodes -> the options behind it
     values: Dict[str, Any] = field(default_factory=dict)  # translated flags -> typed value
     order: List[str] = field(default_factory=list)
     stray: List[str] = field(default_factory=list)  # words that belong to no flag
@@ -91,23 +102,55 @@ def _launcher(argv: List[str]) -> Tuple[CommandLine, int]:
         i += 1
     script = argv[i] if i < len(argv) else None
     cl = CommandLine(head, None, None, {}, script)
+    table = MPI_OPTIONS if head in MPI_LAUNCHERS else WORLD_OPTIONS
+    counts: Dict[str, Tuple[int, str]] = {}  # what -> (count, option)
     for name, value in options.items():
-        what = WORLD_OPTIONS.get(name)
+        what = table.get(name)
         if what is None:
             continue
         cl.world_flags[name] = value
         if what == "devices" and value in ("gpu", "auto"):
             cl.devices = "auto"
-        elif re.fullmatch(r"\d+", value):
-            setattr(cl, "devices" if what == "devices" else "num_nodes", int(value))
+            cl.counted["devices"] = (name,)
+        elif re.fullmatch(r"\d+", value) and int(value) > 0:
+            counts[what] = (int(value), name)
         else:
             cl.notes.append(f"{name} {value}: not a fixed count (an elastic range?): give trainer.devices / "
                             "trainer.num_nodes yourself")
+    _world(cl, counts)
     if cl.devices is None and head.startswith(("torchrun", "python")):
         cl.devices = 1  # torchrun's default: one process per node
     if cl.num_nodes is None and cl.devices is not None:
         cl.num_nodes = 1
     return cl, i + 1
+
+
+def _world(cl: CommandLine, counts: Dict[str, Tuple[int, str]]) -> None:
+    """Devices per node and nodes from the launcher's counts; a count of every process fills in
+    the one of them that is missing (both missing: one node)."""
+    for what, attr in (("devices", "devices"), ("nodes", "num_nodes")):
+        if what in counts:
+            setattr(cl, attr, counts[what][0])
+            cl.counted[what] = (counts[what][1],)
+    if "world" not in counts:
+        return
+    world, flag = counts["world"]
+    if cl.devices == "auto" or (cl.devices is not None and cl.num_nodes is not None):
+        return
+    if cl.devices is None and cl.num_nodes is None:
+        cl.devices, cl.num_nodes = world, 1
+        cl.counted = {"devices": (flag,), "nodes": ()}
+        cl.notes.append(f"{flag} {world} counts every process: taken as {world} on one node; set trainer.devices "
+                        "(per node) and trainer.num_nodes for the real split")
+        return
+    known, missing = ("devices", "nodes") if cl.devices is not None else ("nodes", "devices")
+    per = cl.devices if known == "devices" else cl.num_nodes
+    if world % per:
+        cl.notes.append(f"{flag} {world} is not a multiple of {counts[known][1]} {per}: give trainer.devices and "
+                        "trainer.num_nodes yourself")
+        return
+    setattr(cl, "num_nodes" if missing == "nodes" else "devices", world // per)
+    cl.counted[missing] = (flag, counts[known][1])
 
 
 def _flags(cl: CommandLine, argv: List[str]) -> None:

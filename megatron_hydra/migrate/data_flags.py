@@ -134,7 +134,8 @@ def _file_size(t: Translation, ours: str, path: str, merge: Optional[str]) -> Op
     """The tokenizer's vocabulary when its file is on this machine (nothing is downloaded)."""
     from megatron_hydra.data.tokenizers import build_tokenizer
 
-    if not os.path.exists(os.path.expanduser(path)):
+    path, merge = os.path.expanduser(path), merge and os.path.expanduser(merge)
+    if not os.path.exists(path):
         return None
     try:
         return build_tokenizer(TokenizerConfig(type=ours, path=path, merge_file=merge)).vocab_size

@@ -67,7 +67,8 @@ _translated("0", bool, "--group-query-attention", "--use-rotary-position-embeddi
             "--moe-router-enable-expert-bias", "--sequence-parallel", "--use-distributed-optimizer",
             "--use-torch-fsdp2", "--fp16", "--bf16", "--recompute-activations", "--mock-data",
             "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--profile", "--no-load-optim",
-            "--finetune", "--async-save", "--no-position-embedding")
+            "--finetune", "--async-save", "--no-position-embedding", "--no-bias-gelu-fusion",
+            "--use-te-activation-func", "--use-legacy-models")
 
 # Megatron-LM's defaults of the translated flags that matter when a flag is absent.
 DEFAULTS = {
@@ -84,16 +85,19 @@ DEFAULTS = {
     "--optimizer": "adam", "--min-lr": 0.0, "--weight-decay": 0.01, "--adam-beta1": 0.9, "--adam-beta2": 0.999,
     "--adam-eps": 1e-8, "--clip-grad": 1.0, "--lr-decay-style": "linear", "--lr-warmup-iters": 0,
     "--lr-warmup-samples": 0, "--lr-warmup-init": 0.0, "--weight-decay-incr-style": "constant", "--seed": 1234,
-    "--log-interval": 100, "--eval-iters": 100, "--profile-step-start": 10, "--profile-step-end": 12,
-    "--dataloader-type": "single", "--tiktoken-num-special-tokens": 1000,
+    "--log-interval": 100, "--eval-interval": 1000, "--eval-iters": 100, "--profile-step-start": 10,
+    "--profile-step-end": 12, "--dataloader-type": "single", "--tiktoken-num-special-tokens": 1000,
 }
+# --eval-interval: 1000 up to Megatron-LM 0.15; 0.16 dropped the default, and a run without the flag
+# then stops before training (while it sizes the valid set), so the default of the versions that ran
+# such a command line is kept.
 
 # -- no key needed -------------------------------------------------------------------------------
 KERNEL = "a kernel choice: the function computed is the same here"
-_same("0", "the model here is Megatron-Core's GPT form", "--use-mcore-models", "--use-legacy-models")
+_same("0", "the model here is Megatron-Core's GPT form", "--use-mcore-models")
 _same("1", "attention runs on torch's SDPA kernels, chosen per device", "--attention-backend")
 _same("0", "attention runs on torch's SDPA kernels (flash attention where the GPU has it)", "--use-flash-attn")
-_same("0", KERNEL, "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+_same("0", KERNEL, "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
       "--no-bias-dropout-fusion", "--no-rope-fusion", "--cross-entropy-loss-fusion",
       "--no-gradient-accumulation-fusion",
       "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce", "--moe-permute-fusion",

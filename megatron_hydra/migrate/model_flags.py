@@ -6,6 +6,10 @@ own rules where a value is left out (``validate_args`` and ``core_transformer_co
 - ``--group-query-attention`` turns ``--num-query-groups`` on (default 1: multi-query attention);
   without it the groups flag is ignored and attention is multi-head;
 - ``--kv-channels`` absent: hidden / heads, as here;
+- GeLU: Megatron-Core's MLP computes the tanh form through its bias-GeLU fusion (on by default,
+  off with ``--no-bias-gelu-fusion`` or without biases) or Transformer Engine's activation
+  (``--use-te-activation-func``), the exact form otherwise; ``--openai-gelu`` is read by
+  ``--use-legacy-models``' MLP only;
 - rotary base, percent, ``--rotary-seq-len-interpolation-factor`` (positions divided by it:
   ``rope_scaling.type=linear``) and ``--use-rope-scaling`` (Llama 3.1's, with its fixed
   8192 / 1 / 4);
@@ -16,15 +20,16 @@ own rules where a value is left out (``validate_args`` and ``core_transformer_co
 from __future__ import annotations
 
 import ast
-import math
 import re
 from typing import Any, List, Optional
 
+from megatron_hydra.config.derive import size_defaults
 from megatron_hydra.migrate.translation import Translation
 
 POSITIONS = {"learned_absolute": "learned", "rope": "rope"}
 NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+LEGACY = "the model here is Megatron-Core's GPT form"
 
 
 def translate_model(t: Translation) -> None:
@@ -38,7 +43,7 @@ def translate_model(t: Translation) -> None:
             t.set(f"model.{key}", cl.get(flag), flag)
     if hidden and heads:
         _attention(t, hidden, heads)
-        _mlp(t, hidden)
+        _mlp(t, hidden, heads)
     _positions(t)
     _norms_and_the_rest(t)
 
@@ -78,22 +83,55 @@ def _window(t: Translation) -> None:
             t.set("model.sliding_window_pattern", pattern, "--window-attn-skip-freq")
 
 
-def _mlp(t: Translation, hidden: int) -> None:
+def _mlp(t: Translation, hidden: int, heads: int) -> None:
     cl = t.cl
     swiglu = cl.get("--swiglu")
     if cl.given("--ffn-hidden-size"):
         ffn, flag = cl.get("--ffn-hidden-size"), "--ffn-hidden-size"
     else:
         ffn, flag = (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden), "--swiglu"
-    ours = 256 * math.ceil(int(8 * hidden / 3) / 256) if swiglu else 4 * hidden  # config.derive's default
-    if ffn == ours:
+    ours = size_defaults(hidden, heads, "swiglu" if swiglu else "gelu", cl.get("--seq-length") or 1)
+    if ffn == ours["ffn_hidden_size"]:
         t.ignore("--ffn-hidden-size", "it equals the default here")
     else:
         t.set("model.ffn_hidden_size", ffn, flag)
-    activation = "swiglu" if swiglu else "gelu_tanh" if cl.get("--openai-gelu") else "gelu"
-    t.set("model.activation", activation, "--swiglu" if swiglu else "--openai-gelu")
-    if swiglu and cl.given("--openai-gelu"):
-        t.ignore("--openai-gelu", "--swiglu replaces GeLU")
+    if swiglu:
+        t.set("model.activation", "swiglu", "--swiglu")
+        for flag in ("--openai-gelu", "--no-bias-gelu-fusion"):
+            t.ignore(flag, "--swiglu replaces GeLU")
+        t.ignore("--use-te-activation-func", "Transformer Engine's SwiGLU kernel: the same function")
+        t.ignore("--use-legacy-models", LEGACY)
+    else:
+        _gelu(t)
+
+
+def _gelu(t: Translation) -> None:
+    """Which GeLU Megatron-LM computes: the tanh form wherever a fused or Transformer Engine
+    kernel runs it, the exact one in the unfused local MLP. Without biases there is no fusion
+    (Megatron-LM turns it off)."""
+    cl = t.cl
+    unfused = tuple(f for f in ("--no-bias-gelu-fusion", "--disable-bias-linear") if cl.get(f))
+    if cl.get("--use-legacy-models"):  # its own MLP: --openai-gelu, else as fused; no Transformer Engine activation
+        t.ignore("--use-te-activation-func", "--use-legacy-models' MLP does not read it")
+        t.ignore("--use-legacy-models", LEGACY)
+        if cl.get("--openai-gelu"):
+            activation, flags = "gelu_tanh", ("--openai-gelu", "--use-legacy-models")
+            t.ignore("--no-bias-gelu-fusion", "--openai-gelu chooses the GeLU")
+        else:
+            activation, flags = ("gelu" if unfused else "gelu_tanh"), unfused
+    else:
+        t.ignore("--openai-gelu", "only --use-legacy-models' MLP reads it, not Megatron-Core's")
+        if cl.get("--use-te-activation-func") and cl.get("--transformer-impl") == "transformer_engine":
+            if not unfused:
+                t.refuse("--use-te-activation-func", "Megatron-Core refuses it with the bias-GeLU fusion, which is on "
+                                                     "by default: add --no-bias-gelu-fusion")
+            activation, flags = "gelu_tanh", ("--use-te-activation-func",)
+            t.ignore("--no-bias-gelu-fusion", "Transformer Engine's activation runs instead (--use-te-activation-func)")
+        else:
+            activation, flags = ("gelu" if unfused else "gelu_tanh"), unfused
+            t.ignore("--use-te-activation-func", "under --transformer-impl local Megatron-Core runs torch's exact GeLU "
+                                                 "through it, as here")
+    t.set("model.activation", activation, *flags)
 
 
 def _positions(t: Translation) -> None:

@@ -11,7 +11,6 @@ optional part cannot be switched on by ``model.moe.x=...`` alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,6 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from megatron_hydra.config.bundled import CONF_MODULE
+from megatron_hydra.config.derive import size_defaults
 from megatron_hydra.config.schema import (CheckpointConfig, DataConfig, ModelConfig, MoEConfig, OptimConfig,
                                           ParallelConfig, PrecisionConfig, RopeScalingConfig,
                                           TrainerConfig)
@@ -130,14 +130,11 @@ def _differences(ours: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, Any]:
 def _resolved(values: Dict[str, Any]) -> Dict[str, Any]:
     """``values`` with the nulls that config.derive fills in filled in the same way."""
     out = dict(values)
-    hidden, heads = out["hidden_size"], out["num_attention_heads"]
-    if out["ffn_hidden_size"] is None:
-        out["ffn_hidden_size"] = (256 * math.ceil(int(8 * hidden / 3) / 256) if out["activation"] == "swiglu"
-                                  else 4 * hidden)
-    defaults = {"kv_channels": hidden // heads if heads else None, "num_query_groups": heads,
-                "max_position_embeddings": out["seq_length"], "qkv_bias": out["add_bias_linear"],
-                "moe.ffn_hidden_size": out["ffn_hidden_size"]}
-    for key, value in defaults.items():
+    sizes = size_defaults(out["hidden_size"], out["num_attention_heads"], out["activation"], out["seq_length"])
+    for key, value in sizes.items():
+        if out[key] is None:
+            out[key] = value
+    for key, value in (("qkv_bias", out["add_bias_linear"]), ("moe.ffn_hidden_size", out["ffn_hidden_size"])):
         if key in out and out[key] is None:
             out[key] = value
     return out

@@ -9,25 +9,39 @@ conditions that compare known strings. Nothing else is evaluated: a command subs
 variable the file never sets, the script's own arguments, a file test or a loop stays unknown,
 and each is reported (``Script.unresolved``) instead of guessed. An unknown value keeps its
 name in the flags (``$CHECKPOINT_PATH``), so the translated command still reads sensibly.
+
+A script comes from elsewhere, so reading it has a bounded cost whatever it holds: the file is at
+most ``MAX_SCRIPT_BYTES``; one expanded word or variable at most ``MAX_WORD`` (``A="$A$A"`` thirty
+times would otherwise ask for gigabytes); everything expansion builds, the whole script long, at
+most ``MAX_EXPANDED`` (twice the largest file, so the literal text of any readable script fits);
+one ``$((...))`` or ``${...}`` at most ``MAX_EXPRESSION`` characters; a glob comparison in a test
+at most ``shell_eval.MAX_GLOB`` characters a side (else it is unknown). Launch scripts are a few
+KiB and stay far below every limit; past one, or nested too deeply to follow, the script is
+refused in one line that names it and the line.
 """
 
 from __future__ import annotations
 
 import ast
-import fnmatch
-import operator
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron_hydra.errors import ConfigError
+from megatron_hydra.errors import ConfigError, one_line
+from megatron_hydra.migrate.shell_eval import Test, integer
 from megatron_hydra.migrate.shell_lexer import ASSIGNMENT, Array, Lexer, Op, Word
+from megatron_hydra.untrusted import MiB
 
 KEYWORD_STARTS = ("then", "else", "do", "{")
 DECLARATIONS = ("export", "declare", "typeset", "local", "readonly")
 PYTHON = re.compile(r"(^|/)python[0-9.]*$")
 LAUNCHERS = ("torchrun", "srun", "mpirun", "deepspeed", "accelerate")
 WRAPPERS = ("nohup", "exec", "time", "env")
+MAX_SCRIPT_BYTES = 1 * MiB
+MAX_WORD = 1 * MiB
+MAX_EXPANDED = 2 * MAX_SCRIPT_BYTES
+MAX_EXPRESSION = 10_000
+MAX_REASONS = 20  # why a value is unknown: the first ones are enough to fix it
 
 
 @dataclass
@@ -61,8 +75,16 @@ class _Run:
 def read_script(text: str, source: str) -> Script:
     """The training command of ``text``: the last command that runs a Python script (a
     ``*train*.py`` one first), or, for a file of bare flags, every ``--flag`` line together."""
-    shell = _Shell(_commands(text), text.splitlines())
-    shell.block(0, ())
+    shell = None
+    try:
+        shell = _Shell(_commands(text), text.splitlines())
+        shell.block(0, ())
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {one_line(e)}") from None
+    except (RecursionError, MemoryError):
+        where = f"line {shell.line}: " if shell else ""
+        raise ConfigError(f"{source}: {where}nested too deeply or too large for this reader (launch scripts are "
+                          "neither): fix the script") from None
     for run in shell.runs:
         run.argv = _unwrapped(run.argv)
     runs = [r for r in shell.runs if _is_python_run(r.argv)]
@@ -153,10 +175,13 @@ class _Shell:
         self.runs: List[_Run] = []
         self.unresolved: List[str] = []
         self.stopped = False
+        self.line = 0  # the command being run, for errors
+        self.expanded = 0  # characters expansion has built so far (MAX_EXPANDED)
 
     def block(self, i: int, stops: Tuple[str, ...]) -> int:
         """Run commands from ``i`` up to one whose keyword is in ``stops``; its index."""
         while i < len(self.commands) and not self.stopped:
+            self.line = self.commands[i].line
             head = _literal(self.commands[i].words[0])
             if head in stops:
                 return i
@@ -242,7 +267,7 @@ class _Shell:
             if not fields or fields[-1][0] != ("]]" if head == "[[" else "]"):
                 return None
             fields = fields[:-1]
-        return _Test(fields).evaluate()
+        return Test(fields).evaluate()
 
     def _skip(self, i: int) -> int:
         """Index of the command that closes the block opened at ``i``."""
@@ -327,50 +352,71 @@ class _Shell:
             else:
                 values = " ".join(old.value) + values if isinstance(old.value, list) else old.value + values
             reasons = list(old.reasons) + reasons
-        self.vars[name] = _Var(values, tuple(dict.fromkeys(reasons)), unknown)
+            size = _size(values)  # a new value built from the old one: checked and counted here
+            if size > MAX_WORD:
+                raise ConfigError(f"line {w.line}: {name} would hold {size:,} characters, more than the "
+                                  f"{MAX_WORD:,} a variable may hold here: fix the script")
+            self._charge(size, w.line)
+        self.vars[name] = _Var(values, tuple(dict.fromkeys(reasons))[:MAX_REASONS], unknown)
 
     # -- expansion ------------------------------------------------------------------------------
     def expand(self, word: Word, split: bool) -> Tuple[List[str], List[str]]:
         """The fields ``word`` becomes, as bash makes them (quoted parts are never split), and
         why any part of it is unknown."""
         fields: List[str] = []
-        current: Optional[str] = None
+        current: Optional[List[str]] = None  # the pieces of the field being built, joined once
         reasons: List[str] = []
+        size = 0
         for kind, text, quoted in word.parts:
+            value, why = (text, []) if kind == "lit" else self._part(kind, text, quoted, word.line)
+            reasons.extend(why[:MAX_REASONS])
+            size += _size(value)
+            if size > MAX_WORD:
+                raise ConfigError(f"line {word.line}: a word expands to more than {MAX_WORD:,} characters, more than "
+                                  "any flag holds: fix the script")
             if kind == "lit":
-                current = (current or "") + text
+                current = _extended(current, text)
                 continue
-            value, why = self._part(kind, text, quoted, word.line)
-            reasons.extend(why)
             if quoted and isinstance(value, list):  # "${ARRAY[@]}": one field per element
                 for n, item in enumerate(value):
                     if n:
-                        fields.append(current or "")
+                        fields.append("".join(current or []))
                         current = None
-                    current = (current or "") + item
+                    current = _extended(current, item)
                 continue
             value = " ".join(value) if isinstance(value, list) else value
             if quoted or not split:
-                current = (current or "") + value
+                current = _extended(current, value)
                 continue
             for n, piece in enumerate(re.split(r"[ \t\n]+", value)):
                 if n and current is not None:
-                    fields.append(current)
+                    fields.append("".join(current))
                     current = None
                 if piece:
-                    current = (current or "") + piece
+                    current = _extended(current, piece)
         if current is not None:
-            fields.append(current)
+            fields.append("".join(current))
+        self._charge(_size(fields), word.line)
         return fields, reasons
 
+    def _charge(self, size: int, line: int) -> None:
+        self.expanded += size
+        if self.expanded > MAX_EXPANDED:
+            raise ConfigError(f"line {line}: expansions build more than {MAX_EXPANDED // MiB} MiB of text in this "
+                              "script, more than any launch script: fix the script")
+
     def _part(self, kind: str, text: str, quoted: bool, line: int):
+        if kind in ("param", "arith") and len(text) > MAX_EXPRESSION:
+            shown = "${...}" if kind == "param" else "$((...))"
+            raise ConfigError(f"line {line}: a {shown} of {len(text):,} characters, longer than the "
+                              f"{MAX_EXPRESSION:,} this reader evaluates: fix the script")
         if kind == "var":
             return self._lookup(text, line)
         if kind == "param":
             return self._parameter(text, quoted, line)
         if kind == "arith":
             return self._arithmetic(text, line)
-        return f"$({text})", [f"line {line}: $({text.strip()}): a command substitution is not run"]
+        return f"$({text})", [f"line {line}: $({_shown(text)}): a command substitution is not run"]
 
     def _lookup(self, name: str, line: int, index: Optional[str] = None):
         var = self.vars.get(name)
@@ -391,16 +437,16 @@ class _Shell:
         return (value if index in (None, "0") else ""), reasons
 
     def _parameter(self, inner: str, quoted: bool, line: int):
-        m = re.fullmatch(r"(#?)([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:\[(@|\*|[0-9]+)\])?(?:(:?[-=+?])(.*))?",
+        m = re.fullmatch(r"(#?)([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:\[(@|\*|[0-9]{1,18})\])?(?:(:?[-=+?])(.*))?",
                          inner, re.S)
         if not m:
-            return "${" + inner + "}", [f"line {line}: ${{{inner}}}: only ${{NAME}}, ${{NAME:-default}} and "
-                                        "${ARRAY[@]} are read"]
+            return "${" + inner + "}", [f"line {line}: ${{{_shown(inner)}}}: only ${{NAME}}, ${{NAME:-default}} "
+                                        "and ${ARRAY[@]} are read"]
         count, name, index, op, default = m.groups()
         var = self.vars.get(name)
         if count:
             if var is None or var.reasons:
-                return "${" + inner + "}", [f"line {line}: ${{{inner}}}: {name} is not known"]
+                return "${" + inner + "}", [f"line {line}: ${{{_shown(inner)}}}: {name} is not known"]
             value = var.value
             return str(len(value) if isinstance(value, list) and index else len(" ".join(value) if isinstance(
                 value, list) else value)), []
@@ -410,7 +456,7 @@ class _Shell:
         if op and not is_set and not op.endswith("?"):
             value, reasons = self._default(default, quoted, line)
             if op.endswith("="):
-                self.vars[name] = _Var(value, tuple(reasons))
+                self.vars[name] = _Var(value, tuple(reasons[:MAX_REASONS]))
             return value, reasons
         return self._lookup(name, line, index)
 
@@ -419,122 +465,44 @@ class _Shell:
         return " ".join(fields), reasons
 
     def _arithmetic(self, expr: str, line: int):
-        unknown = f"$(({expr}))", [f"line {line}: $(({expr.strip()})): not an integer expression of known values"]
+        unknown = f"$(({expr}))", [f"line {line}: $(({_shown(expr)})): not an integer expression of known values"]
         names = set(re.findall(r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?", expr))
         values = {}
         for name in names:
             var = self.vars.get(name)
-            if var is None or var.reasons or isinstance(var.value, list) or not re.fullmatch(r"-?\d+", var.value):
+            if var is None or var.reasons or isinstance(var.value, list) or not re.fullmatch(r"-?\d{1,19}", var.value):
                 return unknown
             values[name] = int(var.value)
         text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", r"\1", expr)
         try:
-            return str(_integer(ast.parse(text.strip(), mode="eval").body, values)), []
+            return str(integer(ast.parse(text.strip(), mode="eval").body, values)), []
         except (SyntaxError, ValueError, ZeroDivisionError, KeyError):
             return unknown
+        except (RecursionError, MemoryError):
+            raise ConfigError(f"line {line}: $(({_shown(expr)})) is nested too deeply to evaluate: fix the "
+                              "script") from None
 
     def _unknown(self, i: int, why: str) -> None:
         self._unknown_line(self.commands[i].line, why)
 
     def _unknown_line(self, line: int, why: str) -> None:
         text = self.lines[line - 1].strip() if 0 < line <= len(self.lines) else ""
-        self.unresolved.append(f"line {line}: {text[:80]}: {why}")
+        self.unresolved.append(f"line {line}: {_shown(text)}: {why}")
 
 
-_INTEGER_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
-                ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+def _extended(pieces: Optional[List[str]], text: str) -> List[str]:
+    if pieces is None:
+        pieces = []
+    pieces.append(text)
+    return pieces
 
 
-def _integer(node, values: Dict[str, int]) -> int:
-    """Bash integer arithmetic over known values: + - * / %, unary minus, parentheses."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.Name):
-        return values[node.id]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _integer(node.operand, values)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp) and type(node.op) in _INTEGER_OPS:
-        left, right = _integer(node.left, values), _integer(node.right, values)
-        if abs(left) > 2 ** 62 or abs(right) > 2 ** 62:
-            raise ValueError("out of range")
-        return _INTEGER_OPS[type(node.op)](left, right)
-    raise ValueError("not integer arithmetic")
+def _size(value: Union[str, List[str]]) -> int:
+    """Characters of a value, one more per field of a list (its separator)."""
+    return len(value) if isinstance(value, str) else sum(len(v) + 1 for v in value)
 
 
-@dataclass
-class _Test:
-    """``[[ ... ]]`` / ``[ ... ]`` in Kleene logic: -z, -n, =, ==, !=, integer comparisons, !,
-    &&/-a, ||/-o and parentheses over known strings. An unknown word, a file test or a regex
-    is unknown (None), which ``||`` with a true side or ``&&`` with a false side overrides."""
-
-    words: List[Tuple[str, bool]]  # (text, known)
-    i: int = 0
-
-    def evaluate(self) -> Optional[bool]:
-        try:
-            value = self._or()
-        except (IndexError, ValueError):
-            return None
-        return value if self.i == len(self.words) else None
-
-    def _peek(self) -> Optional[str]:
-        return self.words[self.i][0] if self.i < len(self.words) else None
-
-    def _or(self) -> Optional[bool]:
-        value = self._and()
-        while self._peek() in ("||", "-o"):
-            self.i += 1
-            other = self._and()
-            value = True if True in (value, other) else (None if None in (value, other) else False)
-        return value
-
-    def _and(self) -> Optional[bool]:
-        value = self._not()
-        while self._peek() in ("&&", "-a"):
-            self.i += 1
-            other = self._not()
-            value = False if False in (value, other) else (None if None in (value, other) else True)
-        return value
-
-    def _not(self) -> Optional[bool]:
-        if self._peek() == "!":
-            self.i += 1
-            value = self._not()
-            return None if value is None else not value
-        if self._peek() == "(":
-            self.i += 1
-            value = self._or()
-            if self._peek() != ")":
-                raise ValueError("unbalanced parentheses")
-            self.i += 1
-            return value
-        return self._primary()
-
-    def _primary(self) -> Optional[bool]:
-        w, i = self.words, self.i
-        if w[i][0] in ("-z", "-n") and i + 1 < len(w):
-            self.i += 2
-            return (w[i + 1][0] == "") == (w[i][0] == "-z") if w[i + 1][1] else None
-        if i + 2 < len(w) and w[i + 1][0] in _COMPARE:
-            self.i += 3
-            if not (w[i][1] and w[i + 2][1]):
-                return None
-            return _COMPARE[w[i + 1][0]](w[i][0], w[i + 2][0])
-        if re.fullmatch(r"-[a-zA-Z]", w[i][0]) and i + 1 < len(w):
-            self.i += 2  # a file test: nothing on this machine is looked at
-            return None
-        self.i += 1
-        return (w[i][0] != "") if w[i][1] else None
-
-
-def _regex(left: str, right: str) -> Optional[bool]:
-    return None  # regular expressions are not evaluated
-
-
-_COMPARE = {
-    "=": lambda a, b: fnmatch.fnmatchcase(a, b), "==": lambda a, b: fnmatch.fnmatchcase(a, b),
-    "!=": lambda a, b: not fnmatch.fnmatchcase(a, b), "=~": _regex,
-    "-eq": lambda a, b: int(a) == int(b), "-ne": lambda a, b: int(a) != int(b), "-lt": lambda a, b: int(a) < int(b),
-    "-le": lambda a, b: int(a) <= int(b), "-gt": lambda a, b: int(a) > int(b), "-ge": lambda a, b: int(a) >= int(b),
-}
+def _shown(text: str) -> str:
+    """``text`` short enough for a line of the report."""
+    text = text.strip()
+    return text if len(text) <= 80 else text[:77] + "..."

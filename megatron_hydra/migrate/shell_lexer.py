@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Iterator, List, Optional, Tuple, Union
 
 from megatron_hydra.errors import ConfigError
@@ -214,9 +215,10 @@ class Lexer:
             end = self._find("`", self.i + 1)
             parts.append(("cmd", self.text[self.i + 1:end], False))
             self._advance(end + 1)
-        else:
-            parts.append(("lit", c, False))
-            self.i += 1
+        else:  # a run of plain characters at once
+            end = _plain(breaks).match(self.text, self.i).end()
+            parts.append(("lit", self.text[self.i:end], False))
+            self.i = end
 
     def _double_quoted_body(self, end: Optional[str]) -> List[Part]:
         parts: List[Part] = []
@@ -299,12 +301,29 @@ class Lexer:
         self.i = end
 
 
+@lru_cache(maxsize=None)
+def _plain(breaks: str) -> "re.Pattern[str]":
+    """One or more characters that are neither quoting, expansion nor in ``breaks``."""
+    return re.compile("[^" + re.escape(breaks + "\\'\"$`") + "]+|.", re.S)
+
+
 def _merged(parts: List[Part]) -> List[Part]:
-    """Adjacent literal characters of the same quoting as one part."""
+    """Adjacent literal parts of the same quoting as one part (joined once: a long word costs its
+    length, not its length squared)."""
     out: List[Part] = []
-    for kind, text, quoted in parts:
-        if out and kind == "lit" and out[-1][0] == "lit" and out[-1][2] == quoted:
-            out[-1] = ("lit", out[-1][1] + text, quoted)
+    run: List[str] = []
+    quoted_run = False
+    for part in parts:
+        if part[0] == "lit" and run and part[2] == quoted_run:
+            run.append(part[1])
+            continue
+        if run:
+            out.append(("lit", "".join(run), quoted_run))
+            run = []
+        if part[0] == "lit":
+            run, quoted_run = [part[1]], part[2]
         else:
-            out.append((kind, text, quoted))
+            out.append(part)
+    if run:
+        out.append(("lit", "".join(run), quoted_run))
     return out

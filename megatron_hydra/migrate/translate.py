@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from megatron_hydra.migrate.command_line import WORLD_OPTIONS, CommandLine
+from megatron_hydra.errors import ConfigError
+from megatron_hydra.migrate.command_line import CommandLine
 from megatron_hydra.migrate.data_flags import translate_data
 from megatron_hydra.migrate.model_flags import translate_model
 from megatron_hydra.migrate.translation import Translation
@@ -55,13 +56,13 @@ def _layout(t: Translation) -> Optional[int]:
                                        "--context-parallel-size"))
     model_parallel = tp * pp * cp
     devices, nodes = cl.devices, cl.num_nodes or 1
-    counted = {what: tuple(f for f in cl.world_flags if WORLD_OPTIONS[f] == what) for what in ("devices", "nodes")}
+    counted = cl.counted
     if devices is None:
         devices = model_parallel
         t.notes.append(f"the command line has no launcher: its world size is taken as tp x pp x cp = {model_parallel} "
                        "(dp 1); set trainer.devices and trainer.num_nodes for the real one")
-    t.set("trainer.devices", devices, *counted["devices"])
-    t.set("trainer.num_nodes", nodes, *counted["nodes"])
+    t.set("trainer.devices", devices, *counted.get("devices", ()))
+    t.set("trainer.num_nodes", nodes, *counted.get("nodes", ()))
     if nodes > 1:
         t.notes.append(f"{nodes} nodes: start it on every node as before (torchrun / srun run launch.py as one "
                        "worker per rank; docs/cluster.md)")
@@ -341,11 +342,7 @@ def _warmup(t: Translation, gbs: Optional[int], decay: Optional[int]) -> None:
 def _logging(t: Translation) -> None:
     cl = t.cl
     t.set("trainer.log_every_n_steps", cl.get("--log-interval"), "--log-interval")
-    if cl.given("--eval-interval"):
-        t.set("trainer.val_check_interval", cl.get("--eval-interval"), "--eval-interval")
-        t.set("trainer.limit_val_batches", cl.get("--eval-iters"), "--eval-iters")
-    else:
-        t.ignore("--eval-iters", "Megatron-LM validates during training only with --eval-interval")
+    _validation(t)
     if cl.get("--profile"):
         start, end = cl.get("--profile-step-start"), cl.get("--profile-step-end")
         t.set("trainer.profile_steps", [start, end - 1], "--profile", "--profile-step-start", "--profile-step-end")
@@ -361,6 +358,41 @@ def _logging(t: Translation) -> None:
     else:
         for flag in ("--wandb-exp-name", "--wandb-save-dir", "--wandb-project"):
             t.ignore(flag, "Megatron-LM logs to W&B only with a --wandb-project")
+
+
+def _validation(t: Translation) -> None:
+    """Every --eval-interval steps, --eval-iters global batches of the valid split; none when
+    either is 0 or the split gives the valid set no share (Megatron-LM builds no valid set then)."""
+    cl = t.cl
+    flags = ("--eval-interval", "--eval-iters")
+    interval, iters = cl.get("--eval-interval"), cl.get("--eval-iters")
+    split = t.keys.get("data.split") if t.groups.get("data") == "indexed" else None
+    why = None
+    if not iters:
+        why = "--eval-iters 0: Megatron-LM builds no validation set"
+    elif split is not None and _valid_share(split) == 0:
+        why = f"{cl.shown('--split')} leaves the valid split empty: Megatron-LM validates nothing"
+    if why is None:
+        t.set("trainer.val_check_interval", interval, "--eval-interval")
+        if interval:
+            t.set("trainer.limit_val_batches", iters, "--eval-iters")
+        else:
+            t.ignore("--eval-iters", "--eval-interval 0: no validation during training")
+        return
+    for flag in flags:
+        t.ignore(flag, why)
+    if not any(cl.given(f) for f in flags):
+        t.notes.append(f"no validation: {why}")
+
+
+def _valid_share(split) -> Optional[float]:
+    """The valid split's share of ``split`` (None: not a split data.split reads)."""
+    from megatron_hydra.data.builders import parse_split
+
+    try:
+        return parse_split(split)[1]
+    except ConfigError:
+        return None
 
 
 def _checkpoints(t: Translation) -> None:
