@@ -27,6 +27,9 @@ from megatron_hydra.migrate.command_line import parse
 from megatron_hydra.migrate.report import classify
 from megatron_hydra.migrate.shell import read_script
 from megatron_hydra.migrate.translate import translate
+# Imported at collection, before any backward of this process: the dry run's stand-in device must be
+# registered before torch's autograd engine sizes its per-device queues (training.fake_gpu).
+from megatron_hydra.training import fake_gpu  # noqa: F401
 
 # Megatron-LM's README GPT example (v2.x) with tensor parallelism over the 8 GPUs it launches.
 README_EXAMPLE = """python -m torch.distributed.launch --nproc_per_node 8 pretrain_gpt.py
