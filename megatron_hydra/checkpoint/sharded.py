@@ -60,7 +60,8 @@ from megatron_hydra.parallel.state import ParallelState
 log = logging.getLogger(__name__)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-OPTIMIZER_KEYS = ADAM_KEYS + ("main",)
+MUON_KEYS = ("momentum_buffer",)  # Muon's state of a hidden matrix (optim=muon), in place of Adam's
+OPTIMIZER_KEYS = ADAM_KEYS + MUON_KEYS + ("main",)
 
 
 @dataclass
@@ -483,6 +484,7 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     loader = _Loader(ps, vocab_size)
     pieces: Dict[torch.nn.Parameter, List[StatePiece]] = {}
     steps: Dict[torch.nn.Parameter, torch.Tensor] = {}
+    fresh: set = set()  # parameters whose optimizer state the checkpoint's optimizer did not keep
     mains = _Loader(ps, vocab_size)
     # The same on every rank (the second read is collective): the run keeps fp32 main weights
     # apart from its 16-bit model, and the checkpoint has none (saved in fp32, or by FSDP).
@@ -499,11 +501,14 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
             owned = pieces.get(e.owner, [])
             if not owned:
                 continue
-            if e.owner not in steps:
+            state_keys = [k for k in owned[0].tensors if k != "main"]
+            if not all(_key(e.name, k) in metadata for k in state_keys):
+                fresh.add(e.owner)  # saved by the other optimizer: its state starts afresh, step count too
+            elif e.owner not in steps:
                 steps[e.owner] = torch.zeros((), dtype=owned[0].step.dtype)
                 loader.sd[f"optim/{e.name}/step"] = steps[e.owner]
             for key in OPTIMIZER_KEYS:
-                if key not in owned[0].tensors:
+                if key not in owned[0].tensors or (key != "main" and e.owner in fresh):
                     continue
                 if _key(e.name, key) in metadata:
                     loader.add_pieces(_key(e.name, key), e, owned, key)
@@ -516,10 +521,21 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     loader.finish()
     if mains_needed:  # a second read, of the same tensors into the main weights: exact from fp32 ones
         safe_load(mains.sd, path)
+    if fresh and _rank() == 0:
+        log.warning(_switched(metadata))
     if steps:
         optimizer.load_steps(steps)
     elif optimizer is not None and hasattr(optimizer, "reload_main_from_model"):
         optimizer.reload_main_from_model()
+
+
+def _switched(metadata) -> str:
+    """The one line that says what a checkpoint of the other optimizer (AdamW <-> Muon) keeps."""
+    if any(k.endswith("/momentum_buffer") for k in metadata):
+        return ("checkpoint from optim=muon: weights and the Adam moments it has are loaded; the matrices Muon "
+                "stepped start AdamW's moments and step count at zero")
+    return ("checkpoint from optim=adamw: weights and the Adam moments of the parameters AdamW still steps are "
+            "loaded; the Muon matrices drop their Adam moments and start their momentum at zero")
 
 
 def load_rng(path: str) -> bool:

@@ -21,6 +21,7 @@ from megatron_hydra.config import architecture
 from megatron_hydra.config.inference import check_inference
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
+from megatron_hydra.config.optim import check_optim
 from megatron_hydra.config.peft import check_objective, check_peft, lora_spec
 from megatron_hydra.config.ranges import check_ranges
 from megatron_hydra.config.schema import PACKED_DOCUMENT_DATA, FP8Config, ModelConfig, RunConfig
@@ -532,6 +533,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
     _check_fsdp(cfg, pp)
+    check_optim(cfg)
     _check_context_parallel(cfg, tp, cp)
     _check_documents(cfg)
     moe, moe_layers = moe_spec(cfg, ffn, dp, tp, cp)

@@ -315,7 +315,9 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = one_of("adamw")
+    # adamw | muon (docs/muon.md: Muon for the blocks' hidden matrices, AdamW for the rest).
+    name: str = one_of("adamw", "muon")
+    # optim=muon: Muon's lr for the hidden matrices (AdamW's is muon_adam_lr).
     lr: float = 1e-3
     min_lr: float = 1e-4
     weight_decay: float = 0.1
@@ -333,6 +335,16 @@ class OptimConfig:
     # fused and foreach, as measured) | fused | foreach (torch.optim.AdamW's) | apex (NVIDIA
     # apex's FusedAdam in AdamW mode).
     impl: str = one_of("auto", "fused", "foreach", "apex")
+    # optim=muon only (docs/muon.md). Momentum coefficient of Muon's buffer, Nesterov's form of it,
+    # Newton-Schulz iterations, and whether a fused QKV weight's q, k and v of each query group
+    # are orthogonalised apart rather than as one matrix.
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_split_qkv: bool = False
+    # AdamW's lr for the parameters Muon does not step (embeddings, output, norms, biases,
+    # routers), following the same schedule; None -> optim.lr.
+    muon_adam_lr: Optional[float] = None
 
 
 @dataclass

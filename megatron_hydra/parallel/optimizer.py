@@ -26,6 +26,11 @@ One step: sequence-parallel grads summed over TP -> (fp16) unscale by the loss s
 every rank whether any gradient overflowed, skipping the step everywhere if so -> clip by the
 global norm -> AdamW -> write the main parameters back into the model. Elementwise AdamW on a
 piece is AdamW on the whole tensor, so the sharded step equals the plain one.
+
+With ``muon`` (``optim=muon``) the hidden matrices of the transformer blocks are stepped by Muon
+(``parallel.muon``) instead, on the same main parameters after the same unscaling and clipping;
+AdamW keeps the rest at its own learning rate. Muon needs each matrix whole (up to TP, which it
+gathers), so it runs without the distributed optimizer and FSDP (``config.optim`` refuses both).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from megatron_hydra.parallel import collectives as C
 from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence_parallel_grads, is_expert, same_memory
 from megatron_hydra.parallel.fsdp import local_rows, local_shard
 from megatron_hydra.parallel.grad_clip import clip_grads, counted
+from megatron_hydra.parallel.muon import MUON_KEYS, Muon, MuonSettings, is_muon_param, qkv_shapes
 from megatron_hydra.parallel.state import ParallelState
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -123,10 +129,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
     wrappers work as on any optimizer) whose ``param_groups`` and ``state`` are the inner AdamW's
     own objects, so a change through either is seen by both; gradients are zeroed by the step
     (in the buffer, or on the FSDP parameters), not here. ``grad_buffer=None``: ``model`` is
-    fully sharded by FSDP (``parallel.fsdp``)."""
+    fully sharded by FSDP (``parallel.fsdp``). ``muon``: Muon for the hidden matrices (the module
+    docstring), with AdamW's learning rate ``adam_lr`` times the scheduled one over ``lr``."""
 
     def __init__(self, model: nn.Module, grad_buffer: Optional[GradBuffer], ps: ParallelState, *, lr: float, betas,
-                 eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto"):
+                 eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto",
+                 muon: Optional[MuonSettings] = None, adam_lr: Optional[float] = None):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
         self.fsdp = grad_buffer is None
         if not self.fsdp and grad_buffer.expert_group is None and C.group_size(ps.ep_group) > 1 and any(
@@ -138,17 +146,33 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._gathers: Dict[int, object] = {}
         self._hooks: list = []
+        if muon is not None and (self.fsdp or self.distributed):
+            raise ValueError("Muon steps whole matrices: it runs without the distributed optimizer and FSDP")
         if self.fsdp:
             self.pieces = self._fsdp_pieces(model)
         else:
             self.pieces = self._sharded_pieces(model) if self.distributed else self._whole_pieces()
-        decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) >= 2]
-        no_decay = [pc.main for pc in self.pieces if logical_ndim(pc.param) < 2]
+        names = {p: n for n, p in model.named_parameters()}
+        muon_pieces = ([pc for pc in self.pieces if is_muon_param(names.get(pc.param, ""), pc.param)]
+                       if muon is not None else [])
+        adam = [pc for pc in self.pieces if not any(pc is m for m in muon_pieces)]
+        decay = [pc.main for pc in adam if logical_ndim(pc.param) >= 2]
+        no_decay = [pc.main for pc in adam if logical_ndim(pc.param) < 2]
         self.impl = resolve_impl(impl, self.pieces[0].main.device)
         self.inner = build_adamw([{"params": decay, "weight_decay": weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}], self.impl, lr=lr, betas=betas, eps=eps)
-        super().__init__(self.inner.param_groups, self.inner.defaults)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self.adam_lr_ratio = 1.0 if adam_lr is None else adam_lr / lr
+        groups = self.inner.param_groups
+        self.muon, self._muon_of = None, {}
+        if muon is not None:
+            device = self.pieces[0].main.device
+            self.muon = Muon([pc.param for pc in muon_pieces], [pc.main for pc in muon_pieces], ps, muon,
+                             qkv_shapes(model), ns_dtype=None if device.type == "cpu" else torch.bfloat16)
+            self._muon_of = {id(pc): pc for pc in muon_pieces}
+            groups = groups + [{"params": [pc.main for pc in muon_pieces], "lr": lr, "weight_decay": weight_decay,
+                                "muon": True}]
+        super().__init__(groups, self.inner.defaults)
+        self.param_groups, self.state = groups, self.inner.state
 
     # Construction ----------------------------------------------------------------------------
     def _whole_pieces(self) -> List[Piece]:
@@ -279,10 +303,24 @@ class MegatronOptimizer(torch.optim.Optimizer):
         sharded = (self.fsdp or self.distributed) and C.group_size(self.ps.dp_cp_group) > 1
         self.last_grad_norm = clip_grads(grads, [counted(p, self.ps) for p in params], self.clip_grad, self.ps,
                                          sharded_over_dp=sharded, experts=[is_expert(p) for p in params])
-        self.inner.step()
+        self._step_inner()
         self._write_back()
         self._release_fsdp_grads()
         return None
+
+    def _step_inner(self) -> None:
+        """AdamW at the scheduled lr times ``adam_lr_ratio``, then Muon (if any) at the scheduled lr."""
+        scheduled = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = g["lr"] * self.adam_lr_ratio
+        try:
+            self.inner.step()
+        finally:
+            for g, lr in zip(self.inner.param_groups, scheduled):
+                g["lr"] = lr
+        if self.muon is not None:
+            group = self.param_groups[-1]
+            self.muon.step(group["lr"], group["weight_decay"])
 
     def _release_fsdp_grads(self) -> None:
         """FSDP: the gradients belong to the parameters, which drop them at the next zero_grad;
@@ -330,16 +368,29 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # Checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The inner AdamW's (same-layout only; ``checkpoint.sharded`` writes layout-free ones)."""
-        return self.inner.state_dict()
+        """The inner AdamW's and Muon's momentum buffers in order (same-layout only;
+        ``checkpoint.sharded`` writes layout-free ones)."""
+        sd = self.inner.state_dict()
+        if self.muon is not None:
+            sd["muon"] = [{k: v.clone() for k, v in self.muon.init_state(m).items()} for m in self.muon.mains]
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        muon = state_dict.pop("muon", None)
         self.inner.load_state_dict(state_dict)
+        if self.muon is not None and muon is not None:
+            for main, saved in zip(self.muon.mains, muon):
+                for k, v in self.muon.init_state(main).items():
+                    v.copy_(saved[k])
 
     def _piece_state(self, pc: Piece, step_dtype: torch.dtype) -> dict:
         """This piece's Adam state, created (zero) as the inner optimizer would when missing, so
         that loading can fill it in place. torch keeps ``step`` per parameter; apex's FusedAdam
-        keeps one count per param group (``group["step"]``, see ``_step``)."""
+        keeps one count per param group (``group["step"]``, see ``_step``). A Muon matrix's state
+        is its momentum buffer and step count."""
+        if id(pc) in self._muon_of:
+            return self.muon.init_state(pc.main, step_dtype)
         state = self.inner.state[pc.main]
         if not state:
             if self.impl != "apex":  # the fused kernel reads it on the parameter's device
@@ -360,7 +411,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def _step(self, pc: Piece, state: dict, step_dtype: torch.dtype) -> torch.Tensor:
         """The piece's step count as a tensor: torch's own (live), or apex's group count (a copy)."""
-        if self.impl == "apex":
+        if self.impl == "apex" and id(pc) not in self._muon_of:
             return torch.tensor(float(self._group(pc).get("step", 0)), dtype=step_dtype)
         return state["step"]
 
@@ -368,7 +419,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """Store a loaded step count where, and as, the inner optimizer keeps it: apex an int per
         group; torch's fused kernel a float32 tensor on the parameter's device; the others a CPU
         tensor."""
-        if self.impl == "apex":
+        if id(pc) in self._muon_of:
+            state["step"] = value.detach().to("cpu", copy=True)
+        elif self.impl == "apex":
             self._group(pc)["step"] = int(value.item())
         elif self.impl == "fused":
             state["step"] = value.to(device=pc.main.device, dtype=torch.float32, copy=True)
@@ -386,7 +439,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         out = []
         for pc in self.pieces:
             state = self._piece_state(pc, step_dtype)
-            tensors = {k: state[k].view(-1) for k in ADAM_KEYS}
+            tensors = {k: state[k].view(-1) for k in (MUON_KEYS if id(pc) in self._muon_of else ADAM_KEYS)}
             if self.separate:
                 tensors["main"] = pc.main.data.view(-1)
             out.append(StatePiece(pc.param, pc.lo, pc.hi, self._step(pc, state, step_dtype), tensors))
@@ -408,7 +461,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def optimizer_bytes(self) -> int:
         """Bytes of Adam state this rank holds (after the first step or a load)."""
-        return sum(t.numel() * t.element_size() for s in self.inner.state.values() for k, t in s.items() if k in ADAM_KEYS)
+        adam = sum(t.numel() * t.element_size()
+                   for s in self.inner.state.values() for k, t in s.items() if k in ADAM_KEYS)
+        return adam + (self.muon.state_bytes() if self.muon is not None else 0)
 
     def main_weight_bytes(self) -> int:
         """Bytes of fp32 main weights this rank holds beyond the model's own parameters."""

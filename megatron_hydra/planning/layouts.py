@@ -102,7 +102,9 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
     seq, heads = cfg.model.seq_length, cfg.model.num_attention_heads
     cps = _context_parallel(cfg, world, opts)
     software = dict(flash_attention=opts.flash_attention, fused_kernels=cfg.model.transformer_impl == "transformer_engine",
-                    fp8=cfg.precision.fp8 is not None, reference_forward=cfg.objective.name == "dpo")
+                    fp8=cfg.precision.fp8 is not None, reference_forward=cfg.objective.name == "dpo",
+                    muon_ns_steps=cfg.optim.muon_ns_steps if cfg.optim.name == "muon" else 0,
+                    muon_split_qkv=cfg.optim.muon_split_qkv)
     for tp, (cp, comm) in itertools.product(_divisors(cluster.gpus_per_node), cps):
         if comm == "a2a" and (heads // tp) % cp:
             continue  # config.derive: Ulysses splits each TP rank's heads over cp

@@ -24,7 +24,8 @@ flat buffers are cut into buckets (``parallel.grad_bucket_size``) each padded to
 (``parallel.data_parallel.bucket_layout``, which the plan calls with the rank's parameters in
 buffer order): the shard is 1/dp of every padded bucket (ceil(N / dp) for a single bucket), and the
 weights and grads take the padded length. (Adam's per-tensor ``step`` counters, 4 bytes per
-parameter tensor, are left out.) With ``parallel.data_parallel=fsdp`` all four are sharded and a
+parameter tensor, are left out.) ``optim=muon`` keeps one momentum buffer instead of Adam's two
+moments for the layers' hidden matrices, and its step a transient of its own: ``planning.muon``. With ``parallel.data_parallel=fsdp`` all four are sharded and a
 working set of gathered blocks is added: ``planning.fsdp``. Mixture-of-Experts models (experts per
 EP rank, their own buckets, their activations): ``planning.moe``.
 
@@ -297,6 +298,7 @@ class RankMemory:
     context_bytes: int = 0
     nccl_bytes: int = 0
     fragmentation_bytes: int = 0
+    step_transient_bytes: int = 0  # optim=muon: its step's gathered update and Newton-Schulz temporaries
 
     @property
     def static_bytes(self) -> int:
@@ -310,8 +312,15 @@ class RankMemory:
         return self.static_bytes + self.gathered_bytes + self.activation_bytes + self.cp_buffer_bytes
 
     @property
+    def step_beyond_bytes(self) -> int:
+        """What the optimizer step's transient needs beyond the larger peak of the forward and
+        backward (it runs once their activations are freed, on top of the static bytes)."""
+        return max(0, self.step_transient_bytes - (self.total_bytes - self.static_bytes) - self.transient_bytes)
+
+    @property
     def headroom_bytes(self) -> int:
-        return self.transient_bytes + self.context_bytes + self.nccl_bytes + self.fragmentation_bytes
+        return (self.transient_bytes + self.step_beyond_bytes + self.context_bytes + self.nccl_bytes
+                + self.fragmentation_bytes)
 
     @property
     def needed_bytes(self) -> int:
@@ -374,6 +383,8 @@ class MemoryPlan:
         per_comm = NCCL_BUFFSIZE * NCCL_CHANNELS * NCCL_RING_PEERS
         items = [("cross-entropy transient", peak.transient_bytes,
                   "one fp32 slice of 16-bit logits, last stage only"),
+                 ("Muon step transient", peak.step_beyond_bytes,
+                  f"beyond the activations, of {peak.step_transient_bytes / size:.2f} (planning.muon)"),
                  ("CUDA context", peak.context_bytes, "per process, CUDA 12 with lazy loading"),
                  ("NCCL buffers", peak.nccl_bytes,
                   f"{NCCL_BUFFSIZE >> 20} MiB x {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} peers x "
@@ -382,7 +393,7 @@ class MemoryPlan:
                   f"{ALLOCATOR_FRAGMENTATION:.0%} of reserved memory: planned x {ALLOCATOR_FRAGMENTATION:g}"
                   f"/{1 - ALLOCATOR_FRAGMENTATION:g}")]
         rows = [f"headroom on {peak.position} ({unit}):"]
-        shown = [item for item in items if item[1] or peak.context_bytes]  # on CPU only the transient
+        shown = [item for item in items if item[1] or (peak.context_bytes and item[0] != "Muon step transient")]
         rows += [f"  {name:<26}{value / size:>8.2f}   {how}" for name, value, how in shown]
         return rows
 
@@ -458,6 +469,7 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
         trained = sum(numels)
         weights, grads, main, optimizer = state_bytes(trained, tc.params_dtype, shard, padded, fixed)
     params = trained + fixed
+    optimizer, step_transient = _muon(cfg, derived, pp_rank, optimizer)
     per_chunk = [_chunk_activations(tc, stacks(tc, layer, len(r), r.start)) for r in chunk_ranges(cfg, derived, pp_rank)]
     if moe:  # each MoE layer's terms in place of its dense MLP's (planning.moe)
         from megatron_hydra.planning.moe import chunk_activation_deltas as deltas
@@ -472,9 +484,31 @@ def _rank_memory(cfg: RunConfig, derived: Derived, pp_rank: int, layer: dict, ou
     row = RankMemory(_position(pp_rank, derived.pp, chunks), params, weights, grads, main, optimizer,
                      round(activations), pipeline_buffer_bytes(cfg, derived, pp_rank), gathered,
                      context_parallel.rank_buffer_bytes(cfg, derived), buffers, frozen_params=fixed,
-                     reference_bytes=frozen.reference_bytes(cfg.objective.name, tc, params, buffers, shards))
+                     reference_bytes=frozen.reference_bytes(cfg.objective.name, tc, params, buffers, shards),
+                     step_transient_bytes=step_transient)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     return _headroom(cfg, derived, row, last, first != last)
+
+
+def _layer_chunks(cfg: RunConfig, derived: Derived, pp_rank: int) -> List[tuple]:
+    """(layers range, first stage, last stage) of each model chunk of pipeline rank ``pp_rank``."""
+    return [(layers, pre, post) for (_, pre, post), layers in zip(rank_chunks(cfg, derived, pp_rank),
+                                                                  chunk_ranges(cfg, derived, pp_rank))]
+
+
+def _muon(cfg: RunConfig, derived: Derived, pp_rank: int, optimizer: int) -> Tuple[int, int]:
+    """(optimizer state, the step's transient) of pipeline rank ``pp_rank``: under ``optim=muon``
+    one momentum buffer where Adam keeps two moments, over Muon's matrices (``planning.muon``)."""
+    if cfg.optim.name != "muon":
+        return optimizer, 0
+    from megatron_hydra.planning import muon
+
+    tc = derived.transformer
+    matrices = muon.rank_matrices(tc, _layer_chunks(cfg, derived, pp_rank), derived.ep)
+    main = muon.main_item(tc.params_dtype)
+    momentum = muon.local_elements(matrices, derived.tp, derived.etp is not None) * main
+    ns = muon.ns_item(tc.params_dtype, cfg.trainer.accelerator == "gpu")
+    return optimizer - momentum, muon.transient_bytes(matrices, derived.tp, main, ns, derived.etp is not None)
 
 
 def _buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> int:
@@ -551,6 +585,10 @@ def plan_memory(cfg: RunConfig, derived: Derived, compare: bool = True) -> Memor
                      f"({'pinned, ' if cfg.trainer.accelerator == 'gpu' else ''}up to {staged / 2**30:.2f} GiB), "
                      "not on the device")
     notes += frozen.plan_notes(cfg, derived, rows, plan_memory if compare else None)
+    if cfg.optim.name == "muon":
+        from megatron_hydra.planning.muon import plan_note
+
+        notes.append(plan_note(cfg, derived, [_layer_chunks(cfg, derived, i) for i in range(derived.pp)]))
     flops = model_flops_per_step(derived.transformer, derived.global_batch_size, cfg.objective.name == "dpo")
     notes.append(f"model FLOPs per step (global batch {derived.global_batch_size}): {flops:.3e}")
     return MemoryPlan(_merge(rows), device_bytes, _title(cfg, derived), source, notes)

@@ -132,6 +132,9 @@ project):
   (``v = 1``: ``max(0, R - B)``). With the distributed optimizer the bf16 weights' all-gather
   ``A`` hides the same way behind the forward ``F`` of the next step's first micro-batch.
 
+Muon (``optim=muon``): its Newton-Schulz iterations and TP all-gathers after each step, not
+overlapped (``StepTime.optimizer``, ``planning.muon.step_seconds``).
+
 LoRA (frozen weights' gradient matmuls skipped, adapters' added and alone reduced over DP) and
 DPO (the reference's forward-only pipeline pass first; its CP and EP exchanges left out): ``planning.frozen``.
 
@@ -156,7 +159,7 @@ from typing import Optional, Tuple
 from megatron_hydra.config.schema import ClusterConfig
 from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
-from megatron_hydra.planning import frozen
+from megatron_hydra.planning import frozen, muon
 from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step, window_keys
 
 ACT_BYTES = 2
@@ -222,6 +225,8 @@ class Layout:
     tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
     pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
     reference_forward: bool = False  # objective=dpo: the reference model's forward pass before each step
+    muon_ns_steps: int = 0  # optim=muon: Newton-Schulz iterations per step (planning.muon); 0: AdamW
+    muon_split_qkv: bool = False  # optim.muon_split_qkv
 
 
 @dataclass(frozen=True)
@@ -239,10 +244,12 @@ class StepTime:
     tokens: int
     cp_comm: float = 0.0
     ep_comm: float = 0.0  # expert-parallel all-to-alls
+    optimizer: float = 0.0  # optim=muon: Newton-Schulz and its TP all-gathers (planning.muon)
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.cp_comm + self.ep_comm
+        return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.cp_comm + self.ep_comm
+                + self.optimizer)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -475,7 +482,9 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
                    for st in layer_stacks(tc))
     return StepTime(compute=busy, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm, dp_comm=dp_comm,
                     model_flops=model_flops, hardware_flops=model_flops + global_batch * replayed, gpus=gpus,
-                    tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm)
+                    tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm, optimizer=muon.step_seconds(
+                        tc, layers_per_gpu, t, lay.muon_ns_steps, peak, lambda x: _ring_time(x, _group_link(cluster, t), c),
+                        lay.muon_split_qkv, lay.ep) if lay.muon_ns_steps else 0.0)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ exist here: a dry run with them is refused before it starts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -95,6 +96,8 @@ class RankResult:
     plan_activation_bytes: int = 0
     headroom_bytes: int = 0  # the plan's for this rank beyond tensors: CUDA context, NCCL, fragmentation
     save_items: int = 0
+    optimizer_step_bytes: int = 0  # optim=muon: its step's peak above what was live when it started
+    plan_step_bytes: int = 0  # the plan's for it (optim=muon's transient; planning.muon)
 
     @property
     def static_bytes(self) -> int:
@@ -236,10 +239,12 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                 tracker.reset_peak()  # the step's own peak (initialisation fills a tensor in one chunk here)
                 batch = strategy.batch_to_device(_fake_batch(cfg, derived, ps), device)
                 syncs_before = len(check.host_syncs)
-                loss = TrainStep(module, optimizer)(batch, step=0).loss  # the guard records it, as in training
+                with _optimizer_peak(tracker, optimizer, device.type) as optimizer_peak:
+                    loss = TrainStep(module, optimizer)(batch, step=0).loss  # the guard records it, as in training
                 step_syncs = check.host_syncs[syncs_before:]
                 state = _device_bytes(tracker.get_tracker_snapshot("current"), device.type)
-                peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device.type)
+                peak = {"Total": max(_device_bytes(tracker.get_tracker_snapshot("peak"), device.type).get("Total", 0),
+                                     optimizer_peak["before"])}
                 host_peak = _device_bytes(tracker.get_tracker_snapshot("peak"), "cpu")
                 tracker.reset_peak()
                 # FSDP checkpoints are not written yet (config.derive refuses to train with them).
@@ -261,7 +266,37 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
         save_peak_bytes=save_peak.get("Total", 0), host_peak_bytes=host_peak.get("Total", 0), host_syncs=step_syncs,
         plan_static_bytes=plan.static_bytes,
         plan_activation_bytes=plan.activation_bytes,
-        headroom_bytes=plan.context_bytes + plan.nccl_bytes + plan.fragmentation_bytes, save_items=save_items)
+        headroom_bytes=plan.context_bytes + plan.nccl_bytes + plan.fragmentation_bytes, save_items=save_items,
+        optimizer_step_bytes=optimizer_peak["step"], plan_step_bytes=plan.step_transient_bytes)
+
+
+@contextlib.contextmanager
+def _optimizer_peak(tracker, optimizer, device_type: str):
+    """Measures the peak of Muon's part of the optimizer step (``optim=muon``) above the bytes live
+    when it starts (``step``; the tracker's peak restarts there), and the peak before it
+    (``before``: forward, backward, clipping and AdamW)."""
+    out = {"step": 0, "before": 0}
+    muon = getattr(optimizer, "muon", None)
+    if muon is None:
+        yield out
+        return
+    step = muon.step
+
+    def measured(*args, **kwargs):
+        out["before"] = max(out["before"], _device_bytes(tracker.get_tracker_snapshot("peak"), device_type).get("Total", 0))
+        live = _device_bytes(tracker.get_tracker_snapshot("current"), device_type).get("Total", 0)
+        tracker.reset_peak()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            peak = _device_bytes(tracker.get_tracker_snapshot("peak"), device_type).get("Total", 0)
+            out["step"] = max(out["step"], peak - live)
+
+    muon.step = measured  # this instance only, for this one step
+    try:
+        yield out
+    finally:
+        del muon.step
 
 
 def check_runnable(cfg: RunConfig) -> None:
@@ -335,6 +370,9 @@ def table(cfg: RunConfig, derived: Derived, results: List[RankResult], device: O
                   f"{r.seconds:.1f}")
         flag = " !" if device is not None and r.needed_bytes > device.bytes else ""
         lines.append(f"{r.rank:>6} {r.position:<16}" + "".join(f"{v:>12}" for v in values) + flag)
+    if any(r.plan_step_bytes for r in results):
+        lines.append("optim=muon, its step's peak above the state (measured / plan, MiB): " + "; ".join(
+            f"rank {r.rank} {r.optimizer_step_bytes / 2**20:.2f} / {r.plan_step_bytes / 2**20:.2f}" for r in results))
     syncs = sorted({s for r in results for s in r.host_syncs})
     if syncs:
         lines.append("host syncs in the step (a GPU waits for each): " + "; ".join(syncs))

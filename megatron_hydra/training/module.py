@@ -51,6 +51,7 @@ from megatron_hydra.models.archs import ARCHS
 from megatron_hydra.models.moe import MoELayer
 from megatron_hydra.models.stages import build_model, build_stage_chunks
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.muon import MuonSettings
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.pipeline import Pipeline
 from megatron_hydra.parallel.state import ParallelState
@@ -363,8 +364,12 @@ class LMModule(pl.LightningModule):
     def build_optimizer(self, grad_buffer) -> MegatronOptimizer:
         """AdamW over the model through its gradient buffer (the strategy builds it before this
         hook): fp32 main weights for 16-bit models, sharded over DP with the distributed optimizer;
-        ``optim.impl`` picks the kernel (torch fused or foreach, apex FusedAdam)."""
+        ``optim.impl`` picks the kernel (torch fused or foreach, apex FusedAdam); ``optim=muon``
+        hands the hidden matrices to Muon (``parallel.muon``)."""
         o = self.cfg.optim
+        muon = (MuonSettings(o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, o.muon_split_qkv)
+                if o.name == "muon" else None)
         return MegatronOptimizer(self.model, grad_buffer, self.ps, lr=o.lr,
                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
-                                 clip_grad=o.clip_grad, scaler=self.loss_scaler, impl=o.impl)
+                                 clip_grad=o.clip_grad, scaler=self.loss_scaler, impl=o.impl, muon=muon,
+                                 adam_lr=o.muon_adam_lr if muon is not None else None)

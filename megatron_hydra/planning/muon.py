@@ -1,0 +1,228 @@
+"""Muon (``optim=muon``) in the plans: what its state takes, what its step allocates for a moment,
+its Newton-Schulz FLOPs and the tensor-parallel all-gather it needs. ``planning.memory`` and
+``planning.performance`` ask here.
+
+Which parameters. Muon steps the hidden 2-D matrices of the transformer layers (QKV, the attention
+output projection, fc1, gate and fc2 of the dense MLP, of a shared expert and of every expert,
+each expert's matrix on its own); AdamW steps the rest (embeddings, the LM head, norms, biases,
+routers). The plan asks the optimizer's own rule (``parallel.muon.is_muon_param``) of each
+parameter of the meta build of a chunk.
+
+State. Muon keeps one momentum buffer per matrix where Adam keeps two moments, in the same dtype
+(fp32 for 16-bit runs, the parameter dtype otherwise), over the same elements a rank holds (its TP
+shard): with ``M`` of a rank's ``N`` trained elements stepped by Muon, its optimizer state is
+``(2 N - M) x item`` instead of ``2 N x item``.
+
+The step (``parallel.muon``). Newton-Schulz orthogonalises the *logical* matrix: every
+tensor-parallel rank casts its shard of a matrix's update to the Newton-Schulz dtype ``v`` (bf16
+on a GPU, the main dtype ``e`` on a CPU), all-gathers the shards and runs the iterations on the
+whole matrix, then keeps its own slice. For an ``m x n`` matrix (``m <= n``, transposed otherwise)
+an iteration computes ``A = X X^T`` (``2 m^2 n`` FLOPs), ``B = b A + c A A`` (``2 m^3``) and
+``X = a X + B X`` (``2 m^2 n``): ``ns_steps (4 m^2 n + 2 m^3)`` FLOPs per matrix and step, on
+every TP rank (and on every data-parallel rank, which all step the same matrices). A rank receives
+``(t - 1)/t m n v`` bytes per sharded matrix, one all-gather each. The step's transient peaks at
+one matrix (they are stepped one after another, in parameter order): beside the previous matrix's
+update (its local slice in ``e``, or where ``v = e`` a view that keeps the whole result) lie the
+Nesterov update of the local shard ``l e`` (``l = m n / t`` when gathered, else ``m n``), its cast
+``l v`` (where ``v != e``, or where columns are split and the shard is copied rows first for the
+gather), for a gathered matrix the whole ``m n v``, then the largest of: the normalised input ``m n v``, the iteration's working
+set (``NS_MATRICES``, ``NS_GRAMS``), the scaled result beside the unscaled one ``2 m n v``, and the
+result beside its slice in ``e``. Experts are orthogonalised one at a time and their updates
+stacked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning.state_bytes import HALF, shape_only
+
+# The Newton-Schulz iteration's working set at its two peaks, (m x n tensors, m x m tensors):
+# building B = b A + (c A) A beside X and a X (A, b A, c A, (c A) A), and summing a X + B X
+# beside the Gram matrix A (X, a X, B X, the sum).
+NS_MATRICES = (2, 4)
+NS_GRAMS = (4, 1)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """``count`` logical ``rows x cols`` matrices stepped by Muon (``count`` experts of a stacked
+    expert parameter, else 1); ``split_dim``: the dimension (0 rows, 1 columns) tensor-parallel
+    ranks split, None if whole; ``expert``: an expert's."""
+
+    rows: int
+    cols: int
+    count: int
+    split_dim: Optional[int]
+    expert: bool
+
+    @property
+    def sharded(self) -> bool:
+        return self.split_dim is not None
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols * self.count
+
+
+@lru_cache(maxsize=None)
+def chunk_matrices(tcfg: TransformerConfig, first: int, last: int, pre: bool, post: bool, ep: int = 1) -> Tuple[Matrix, ...]:
+    """Muon's matrices in the chunk of layers ``[first, last)`` of EP rank 0 (``E / ep`` experts),
+    logical (tp 1), from the meta build of the family's model (T5: the whole model)."""
+    from megatron_hydra.models.archs import ARCHS
+    from megatron_hydra.parallel.data_parallel import is_expert
+    from megatron_hydra.parallel.muon import is_muon_param
+    from megatron_hydra.parallel.state import AXES, ParallelState
+
+    ps = ParallelState(sizes={**{a: 1 for a in AXES}, "dp": ep}, ep=ep) if ep > 1 else ParallelState.single()
+    build = ARCHS[tcfg.arch].build
+    if tcfg.arch == "t5":
+        model = build(tcfg, ps, device="meta")
+    else:
+        model = build(tcfg, ps, layers=range(first, last), pre_process=pre, post_process=post, device="meta")
+    out = []
+    for name, p in model.named_parameters():
+        expert = is_expert(p)
+        if is_muon_param(name, p):
+            rows, cols = p.shape[-2:]
+            dim = getattr(p, "tp_partition_dim", None)
+            out.append(Matrix(rows, cols, p.shape[0] if expert else 1, None if dim is None else dim - expert, expert))
+    return tuple(out)
+
+
+def rank_matrices(tcfg: TransformerConfig, chunks, ep: int = 1) -> List[Matrix]:
+    """Muon's matrices of a rank whose model chunks are ``chunks`` (``(layers range, first stage,
+    last stage)`` each)."""
+    tc = shape_only(tcfg)
+    return [m for layers, pre, post in chunks for m in chunk_matrices(tc, layers.start, layers.stop, pre, post, ep)]
+
+
+def local_elements(matrices: List[Matrix], tp: int, whole_experts: bool = False) -> int:
+    """Elements of ``matrices`` a tensor-parallel rank holds (and keeps momentum for)."""
+    return sum(m.numel // (tp if m.sharded and not (whole_experts and m.expert) else 1) for m in matrices)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """FLOPs of ``steps`` quintic Newton-Schulz iterations on one ``rows x cols`` matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def step_flops(matrices: List[Matrix], steps: int) -> float:
+    """Newton-Schulz FLOPs of a rank's Muon step: every matrix whole (module docstring)."""
+    return sum(m.count * newton_schulz_flops(m.rows, m.cols, steps) for m in matrices)
+
+
+def gather_bytes(matrices: List[Matrix], tp: int, ns_bytes: int, whole_experts: bool = False) -> float:
+    """Bytes a rank receives per step from the TP all-gathers of its matrices' updates (in the
+    Newton-Schulz dtype)."""
+    if tp == 1:
+        return 0.0
+    split = [m for m in matrices if m.sharded and not (whole_experts and m.expert)]
+    return (tp - 1) / tp * sum(m.numel for m in split) * ns_bytes
+
+
+def transient_bytes(matrices: List[Matrix], tp: int, main_bytes: int, ns_bytes: int, whole_experts: bool = False) -> int:
+    """The Muon step's peak above the bytes live when it starts (module docstring): the matrices
+    are stepped one after another in parameter order, each beside the previous one's update."""
+    peak, previous = 0, 0
+    for m in matrices:
+        gathered = tp > 1 and m.sharded and not (whole_experts and m.expert)
+        mn = m.rows * m.cols
+        local = mn // tp if gathered else mn
+        own = _orthogonal_bytes(m, gathered, local, main_bytes, ns_bytes)
+        # the update: a copy of the local slice in the main dtype, or (same dtype) a view of the whole result
+        update = local * main_bytes if ns_bytes != main_bytes else mn * main_bytes
+        if m.expert:  # experts one at a time, their updates kept until they are stacked
+            held = previous + m.count * local * main_bytes
+            peak = max(peak, held + (m.count - 1) * update + own, held + m.count * (update + local * main_bytes))
+            previous = m.count * local * main_bytes
+        else:
+            peak = max(peak, previous + local * main_bytes + own)
+            previous = update
+    return peak
+
+
+def _orthogonal_bytes(m: Matrix, gathered: bool, local: int, main_bytes: int, ns_bytes: int) -> int:
+    """Peak bytes of one logical matrix's scaled Newton-Schulz update beside its momentum update:
+    the local update cast to the Newton-Schulz dtype, the gathered pieces, then the largest of the
+    normalised input, the iteration's working set (``NS_MATRICES``, ``NS_GRAMS``), the scaled
+    result beside the unscaled one, and the scaled result beside its local slice in the main dtype."""
+    mn, small = m.rows * m.cols, min(m.rows, m.cols)
+    # the cast shard (a copy where the dtypes differ, or where columns are split and it moves rows
+    # first for the gather) and, gathered, the whole matrix
+    shard = local * ns_bytes * (ns_bytes != main_bytes or (gathered and m.split_dim != 0))
+    pieces = shard + (mn * ns_bytes if gathered else 0)
+    iteration = max(x * mn + g * small * small for x, g in zip(NS_MATRICES, NS_GRAMS)) * ns_bytes
+    sliced = mn * ns_bytes + (local * main_bytes if ns_bytes != main_bytes else 0)
+    return pieces + max(mn * ns_bytes, iteration, 2 * mn * ns_bytes, sliced)
+
+
+def main_item(dtype: torch.dtype) -> int:
+    """Bytes of an element of the main (optimizer-side) dtype: fp32 for 16-bit parameters."""
+    return 4 if dtype in HALF else dtype.itemsize
+
+
+def ns_item(dtype: torch.dtype, gpu: bool) -> int:
+    """Bytes of an element Newton-Schulz runs in: bf16 on a GPU, the main dtype on a CPU."""
+    return 2 if gpu else main_item(dtype)
+
+
+def layer_matrix_shapes(tc: TransformerConfig, split_qkv: bool = False, ep: int = 1) -> List[Tuple[int, int, float]]:
+    """(rows, cols, matrices per layer, averaged over the layers) of Muon's matrices on a GPU, from
+    the config alone (the step-time model, which builds nothing). ``split_qkv``: Q, K and V of each
+    query group apart; ``ep``: the experts are split over that many ranks."""
+    h, d, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
+    gated = tc.activation in ("swiglu", "geglu")
+    qkv = [(a // g * d, h, g), (d, h, 2 * g)] if split_qkv else [((a + 2 * g) * d, h, 1)]
+    shapes = qkv + [(h, a * d, 1)]
+    moe_share = len(tc.moe_layers) / tc.num_layers if tc.moe is not None else 0.0
+    dense = 1.0 - moe_share
+    if dense:
+        shapes += [(tc.ffn_hidden_size, h, dense * (2 if gated else 1)), (h, tc.ffn_hidden_size, dense)]
+    if moe_share:
+        spec = tc.moe
+        for f, count in ((spec.ffn_hidden_size, spec.num_experts / ep), (spec.shared_ffn_hidden_size, 1)):
+            if f:
+                shapes += [(f, h, moe_share * count * (2 if gated else 1)), (h, f, moe_share * count)]
+    return shapes
+
+
+def step_seconds(tc: TransformerConfig, layers_per_gpu: float, tp: int, steps: int, peak_flops: float,
+                 gather_time, split_qkv: bool = False, ep: int = 1) -> float:
+    """Seconds of a GPU's Muon step beyond AdamW's: Newton-Schulz on its layers' matrices at
+    ``peak_flops`` and the TP all-gathers (``gather_time(bytes)``, fp32 updates), not overlapped
+    with anything (every data-parallel rank steps every matrix: the distributed optimizer is
+    refused with Muon)."""
+    shapes = layer_matrix_shapes(tc, split_qkv, ep)
+    flops = layers_per_gpu * sum(k * newton_schulz_flops(r, c, steps) for r, c, k in shapes)
+    volume = layers_per_gpu * sum(k * r * c for r, c, k in shapes) * (tp - 1) / tp * 2
+    return flops / peak_flops + (gather_time(volume) if tp > 1 else 0.0)
+
+
+def optimizer_bytes(trained: int, muon: int, dtype: torch.dtype, shard: Optional[int] = None) -> int:
+    """Optimizer state of a rank: Adam's two moments over its ``trained`` (or ``shard``) elements
+    but one momentum buffer over the ``muon`` of them Muon steps (module docstring)."""
+    held = trained if shard is None else shard
+    return (2 * held - muon) * (8 if dtype == torch.float64 else 4)
+
+
+def plan_note(cfg, derived, rank_chunks: list) -> str:
+    """``mode=plan``'s line on Muon: the Newton-Schulz FLOPs and TP all-gather bytes of the busiest
+    pipeline rank's step; ``rank_chunks``: each pipeline rank's chunks (``rank_matrices``)."""
+    tc, steps = derived.transformer, cfg.optim.muon_ns_steps
+    ns = ns_item(tc.params_dtype, cfg.trainer.accelerator == "gpu")
+    per_rank = []
+    for chunks in rank_chunks:
+        matrices = rank_matrices(tc, chunks, derived.ep)
+        per_rank.append((step_flops(matrices, steps), gather_bytes(matrices, derived.tp, ns, derived.etp is not None),
+                         sum(m.count for m in matrices)))
+    flops, gathered, count = max(per_rank)
+    return (f"optim=muon: {count} matrices per rank take one momentum buffer each (AdamW's two moments for the rest); "
+            f"Newton-Schulz {flops:.3e} FLOPs per step on every rank ({steps} iterations on the logical matrices), "
+            f"TP all-gathers {gathered / 2**20:.2f} MiB received per rank and step")
