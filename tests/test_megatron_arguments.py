@@ -133,6 +133,9 @@ def test_export_names_the_tokenizer():
     assert tokenizer_flags(hf, 100) == (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tok"], [])
     flags, notes = tokenizer_flags(DataConfig(name="demo"), 8192)
     assert flags[-1] == 8191 and "no Megatron-LM counterpart" in notes[0]
+    missing = DataConfig(name="indexed", tokenizer=TokenizerConfig(type="gpt2_bpe", path="no/such/vocab.json"))
+    flags, notes = tokenizer_flags(missing, 100)  # its files are not here: the stand-in, and why
+    assert flags[:2] == ["--tokenizer-type", "NullTokenizer"] and "data.tokenizer.path=no/such/vocab.json" in notes[0]
 
 
 def test_training_settings_from_arguments():

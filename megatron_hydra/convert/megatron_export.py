@@ -25,7 +25,7 @@ import io
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -146,13 +146,21 @@ def tokenizer_flags(data: DataConfig, vocab_size: int) -> Tuple[List[str], List[
             try:
                 vocab, merges = bpe_files.gpt2_files(os.path.expanduser(tok.path), tok.merge_file)
                 return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges], []
-            except DataError:
-                pass  # its files are not on this machine: the stand-in below
-    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_size - 1]  # plus its end-of-document id
+            except DataError as e:  # its vocab and merges files are not where the config says
+                return _null_tokenizer(vocab_size, f"data.tokenizer.path={tok.path}: {e}")
     if data.name == "synthetic":
-        return null, []
-    return null, [f"data.tokenizer.type={tok.type} has no Megatron-LM counterpart here: the flags name a NullTokenizer "
-                  f"of the model's {vocab_size} tokens; give Megatron-LM the tokenizer the data was made with"]
+        return _null_tokenizer(vocab_size, None)
+    return _null_tokenizer(vocab_size, f"data.tokenizer.type={tok.type} has no Megatron-LM counterpart here")
+
+
+def _null_tokenizer(vocab_size: int, why: Optional[str]) -> Tuple[List[str], List[str]]:
+    """Megatron-LM's NullTokenizer of the model's vocabulary (its size plus the end-of-document id),
+    and the note saying why it stands in (``why``; None: nothing to say, synthetic data)."""
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab_size - 1]
+    if why is None:
+        return flags, []
+    return flags, [f"{why}: the flags name a NullTokenizer of the model's {vocab_size} tokens; give Megatron-LM the "
+                   "tokenizer the data was made with"]
 
 
 def flags(cfg: TransformerConfig, load: str, tokenizer: Tuple[str, ...] = ()) -> List[str]:

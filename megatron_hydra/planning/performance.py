@@ -161,6 +161,8 @@ from megatron_hydra.config.transformer_config import TransformerConfig
 from megatron_hydra.planning import context_parallel as cpp
 from megatron_hydra.planning import frozen, muon
 from megatron_hydra.planning.flops import loss_tokens, model_flops_per_step, window_keys
+from megatron_hydra.planning.layer_stacks import (LayerStack, computed_keys, layer_stacks, mlp_units, mlp_widths,
+                                                 moe_fraction)
 
 ACT_BYTES = 2
 GRAD_BYTES = 4
@@ -265,100 +267,6 @@ class StepTime:
         return self.tokens / self.total
 
 
-def _mlp_units(tc: TransformerConfig) -> int:
-    return 3 if tc.activation in ("swiglu", "geglu") else 2
-
-
-def _moe_fraction(tc: TransformerConfig) -> float:
-    """The share of layers whose MLP is a Mixture of Experts."""
-    return len(tc.moe_layers) / tc.num_layers if tc.moe is not None else 0.0
-
-
-def _mlp_widths(tc: TransformerConfig) -> tuple:
-    """(ffn width a token runs through in a dense layer, in an MoE layer: k experts + shared)."""
-    moe = tc.moe
-    routed = moe.top_k * moe.ffn_hidden_size + moe.shared_ffn_hidden_size if moe is not None else 0
-    return tc.ffn_hidden_size, routed
-
-
-def _projection_flops_per_token(tc: TransformerConfig) -> tuple:
-    """Forward matmul FLOPs per token of (QKV, attention output, MLP in, MLP out), averaged over
-    the layers (MoE layers: the router with the MLP input, the experts a token runs through)."""
-    h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
-    dense_f, moe_f = _mlp_widths(tc)
-    x = _moe_fraction(tc)
-    router = 2 * h * tc.moe.num_experts if tc.moe is not None else 0
-    width = (1 - x) * dense_f + x * moe_f
-    units = _mlp_units(tc)
-    return (2.0 * h * (a + 2 * g) * k, 2.0 * a * k * h, 2.0 * (units - 1) * h * width + x * router, 2.0 * h * width)
-
-
-@dataclass(frozen=True)
-class LayerStack:
-    """Layers of one kind that every sample runs through (module docstring, "Model families"):
-    per layer and per token of the stack, the forward FLOPs of its projections and of its
-    attention matmuls, its residual branches (each a norm and a dropout-add), the tokens per
-    sample of each tensor-parallel all-reduce of its forward and of its backward, and its weights."""
-
-    layers: int
-    tokens: int  # per sample: the stack's own tokens (queries)
-    projections: Tuple[float, ...]
-    attention: float  # as the model FLOPs count it (``planning.flops``), averaged over the layers
-    branches: int
-    tp_forward: Tuple[int, ...]
-    tp_backward: Tuple[int, ...]
-    params: float  # per layer, dense (MoE experts: ``_params_per_gpu``)
-    attention_fused: float  # what the fused kernels compute (flash: causal half; masked: every score)
-    attention_plain: float  # what the layers whose capped scores run in plain ops compute
-    attention_dense: float  # what an unfused kernel computes: every score, masked or not
-    capped: float  # the share of the layers whose scores are soft-capped
-
-
-def layer_stacks(tc: TransformerConfig) -> Tuple[LayerStack, ...]:
-    """GPT and BERT: one stack over the sequence. T5: its encoder over the ``s`` encoder tokens and
-    its decoder over the ``t`` decoder tokens, whose cross-attention adds per layer a query and an
-    output projection per decoder token, the key/value projection of the ``s`` encoder tokens,
-    ``4 s a k`` attention FLOPs per decoder token, a third branch, and a third all-reduce each way
-    plus, backward, one over the encoder tokens (the gradient of the encoder output)."""
-    h, k, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
-    units, x, moe = _mlp_units(tc), _moe_fraction(tc), tc.moe
-    params = h * (a + 2 * g) * k + a * k * h + (1 - x) * units * h * tc.ffn_hidden_size
-    if moe is not None:
-        params += x * (h * moe.num_experts + units * h * moe.shared_ffn_hidden_size)
-    s = tc.seq_length
-    counted, fused, plain = _attention_keys(tc)
-    own = LayerStack(tc.num_layers, s, _projection_flops_per_token(tc), 4 * a * k * counted, 2, (s, s), (s, s), params,
-                     4 * a * k * fused, 4 * a * k * plain, float(4 * s * a * k), plain / s)
-    if tc.arch != "t5":
-        return (own,)
-    t = tc.decoder_seq_length
-    cross = (2.0 * h * a * k, 2.0 * a * k * h, 2.0 * h * 2 * g * k * s / t)  # per decoder token: query, output, K/V
-    attention = float(4 * (t + s) * a * k)
-    decoder = LayerStack(tc.num_decoder_layers, t, own.projections + cross, attention, 3, (t, t, t),
-                         (t, t, t, s), params + 2 * h * a * k + 2 * h * g * k, attention, 0.0, attention, 0.0)
-    return own, decoder
-
-
-def _attention_keys(tc: TransformerConfig) -> tuple:
-    """Keys per query, averaged over the layers of a GPT or BERT stack: (as the model FLOPs count
-    them, as the fused kernels compute them, as plain ops compute them) (module docstring)."""
-    computed = [_computed_keys(tc, i) for i in range(tc.num_layers)]
-    counted = sum(window_keys(tc.seq_length, tc.windowed(i)) for i in range(tc.num_layers))
-    return tuple(x / tc.num_layers for x in (counted, sum(f for f, _ in computed), sum(p for _, p in computed)))
-
-
-def _computed_keys(tc: TransformerConfig, layer: int) -> tuple:
-    """(keys a fused kernel computes, keys plain ops compute) per query of ``layer`` on a GPU with
-    flash attention: a causal flash kernel half the sequence, a masked one (binding window) all of
-    it, soft-capped scores all of it in plain ops."""
-    s = tc.seq_length
-    if tc.attn_logit_softcapping is not None:
-        return 0.0, float(s)
-    if window_keys(s, tc.windowed(layer)) < s or tc.arch != "gpt":
-        return float(s), 0.0
-    return 0.5 * s, 0.0
-
-
 def _ring_time(bytes_per_gpu: float, gb_per_s: float, c: Constants, messages: float = 1.0) -> float:
     return bytes_per_gpu / (gb_per_s * 1e9 * c.link_efficiency) + messages * c.latency_s
 
@@ -382,7 +290,7 @@ def _params_per_gpu(tc: TransformerConfig, lay: Layout) -> tuple:
     moe = tc.moe
     experts = 0.0
     if moe is not None:
-        experts = _moe_fraction(tc) * _mlp_units(tc) * tc.hidden_size * moe.ffn_hidden_size * moe.num_experts / lay.ep
+        experts = moe_fraction(tc) * mlp_units(tc) * tc.hidden_size * moe.ffn_hidden_size * moe.num_experts / lay.ep
     if tc.lora is not None:  # only the adapters have gradients (planning.frozen)
         return frozen.adapter_params_per_rank(tc, lay.tp, tc.num_layers / lay.pp, frozen.dense_layers(tc) / lay.pp), 0.0
     dense = sum(st.layers * st.params for st in layer_stacks(tc)) / lay.pp
@@ -430,7 +338,7 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
     # Tensor-parallel collectives (per layer and micro-batch, on the critical path).
     tp_stage = per_gpu(lambda x: x.tp)
     cp_stage = per_gpu(lambda x: cp_layer_seconds(tc, lay, cluster, c, block_attention=x.attention / cp)[1])
-    ep_stage = layers_per_gpu * _moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
+    ep_stage = layers_per_gpu * moe_fraction(tc) * ep_layer_seconds(tc, lay, cluster, c)
 
     # Pipeline: 1F1B (interleaved) time and the point-to-point messages.
     busy = m * (stage_time + reference)
@@ -512,8 +420,8 @@ def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: 
     adapters = tokens_mb * frozen.adapter_flops_per_rank(tc, t) / peak  # LoRA's, in bf16 (0 without)
     mm_dense = sum(projections) + adapters
     h_rep = tc.hidden_size / t if lay.sequence_parallel else tc.hidden_size
-    x = _moe_fraction(tc)
-    f = (1 - x) * tc.ffn_hidden_size + x * _mlp_widths(tc)[1]
+    x = moe_fraction(tc)
+    f = (1 - x) * tc.ffn_hidden_size + x * mlp_widths(tc)[1]
     passes = (c.c_h_fused if lay.fused_kernels else c.c_h) * st.branches / 2
     mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
     keys = st.attention_dense / (4 * tc.kv_channels)  # a s: the scores per query of every head
@@ -583,11 +491,11 @@ def _ring_over_layers(tc: TransformerConfig, lay: Layout, transfer: float, block
                       replays: int) -> tuple:
     """The ring's (raw, exposed) seconds averaged over the layers. ``block_attention`` is the
     layers' mean; under flash attention each layer computes its own share of it
-    (``_computed_keys``), a binding window's unevenly over the ring's steps
+    (``computed_keys``), a binding window's unevenly over the ring's steps
     (``context_parallel.ring_step_weights``)."""
     s, cp, layers = tc.seq_length, lay.cp, range(tc.num_layers)
     kinds = Counter((tc.windowed(i) if window_keys(s, tc.windowed(i)) < s else None,
-                     sum(_computed_keys(tc, i)) if lay.flash_attention else 1.0) for i in layers)
+                     sum(computed_keys(tc, i)) if lay.flash_attention else 1.0) for i in layers)
     mean = sum(keys * n for (_, keys), n in kinds.items()) / tc.num_layers
     raw = exposed = 0.0
     for (window, keys), n in kinds.items():
