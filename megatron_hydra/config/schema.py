@@ -169,6 +169,19 @@ class ParallelConfig:
     # and Adam state all sharded over dp x cp, each transformer block all-gathered while it runs;
     # GPT family; with pipeline parallelism the 1f1b schedule without virtual stages).
     data_parallel: str = one_of("ddp", "fsdp")
+    # Megatron's overlap_grad_reduce (docs/parallelism.md): each gradient bucket's all-reduce
+    # (reduce-scatter with the distributed optimizer) starts as soon as every gradient in it is final,
+    # per pipeline stage and virtual chunk, behind the backward still running; false: every bucket
+    # is reduced after the whole backward.
+    overlap_grad_reduce: bool = True
+    # Megatron's overlap_param_gather: with the distributed optimizer, the updated parameters are
+    # all-gathered bucket by bucket in the order the next forward reads them, each module waiting only
+    # for its own buckets; false: all gathered before the next forward starts.
+    overlap_param_gather: bool = True
+    # Tensor-parallel communication overlap (needs sequence_parallel): the all-gather before a
+    # column-parallel matmul and the reduce-scatter after a row-parallel one run as ring steps, each
+    # overlapped with the partial matmul of the chunk already there (a collective matmul); exact.
+    tp_comm_overlap: bool = False
 
 
 @dataclass
@@ -443,6 +456,10 @@ class TrainerConfig:
     # [first, last]: torch.profiler records these steps (0-based, both included, the `step` of
     # csv/metrics.csv) on every rank into <run_dir>/profile/rank<r>.json; null: no profiling.
     profile_steps: Optional[List[int]] = None
+    # torch.compile of each transformer block (regional compilation, as torchtitan does: one
+    # compiled graph reused by every layer of a shape), with recompute, pipeline, tensor/sequence and
+    # context parallelism; off by default (docs/performance.md).
+    compile: bool = False
 
 
 @dataclass
@@ -506,6 +523,21 @@ class DryRunConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """``mode=verify`` (``megatron_hydra.verify``, docs/verify.md)."""
+
+    # Optimizer steps the shrunk job trains, at its layout and in one process, before comparing.
+    steps: int = 3
+    # Largest relative difference of losses, grad norms and final weights that passes.
+    tolerance: float = 1e-9
+    # Ranks the exactness run may start on this machine; beyond it data parallelism is reduced
+    # first, never tensor, pipeline, context or expert parallelism.
+    max_ranks: int = 8
+    # Also write the verdict as JSON to this file (launch.py's --json writes it to stdout).
+    output: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     """The whole composed config (``conf/config.yaml``)."""
 
@@ -526,8 +558,11 @@ class RunConfig:
     # the job on a CPU: fake process group, fake GPU tensors; docs/dry_run.md)
     # | generate (text from checkpoint.load at this layout: ``generation``) | evaluate (lm-eval tasks
     # ``trainer.eval`` on checkpoint.load at this layout)
-    mode: str = one_of("train", "plan", "plan_layouts", "dry_run", "generate", "evaluate")
+    # | verify (the job shrunk and trained in float64 at its layout against one process, its
+    # full-size dry run against the device's memory, and a resume at another layout; docs/verify.md)
+    mode: str = one_of("train", "plan", "plan_layouts", "dry_run", "generate", "evaluate", "verify")
     dry_run: DryRunConfig = field(default_factory=DryRunConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     # Weights, dropout and every other random stream: an integer in [0, 2**32) (numpy's and
     # Lightning's range), less 100 per pipeline stage after the first (each stage seeds with
