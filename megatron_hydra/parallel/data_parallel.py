@@ -2,11 +2,19 @@
 
 Each parameter's gradient lives in one flat buffer (``p.main_grad``, a view), grouped into
 buckets of about ``bucket_size`` elements in reverse registration order (roughly the order
-backward produces them). During the backward of the last micro-batch, a post-accumulate-grad hook
-counts the parameters of each bucket whose grads are final; when a bucket is complete its
-reduction over the data-parallel group is started asynchronously while backward continues on
-earlier layers (as Megatron's and PyTorch DDP's buckets do). ``finish`` launches what is left,
-waits, and turns the sums into means.
+backward produces them). With ``overlap`` (``parallel.overlap_grad_reduce``), the parameters of
+each bucket are counted as their grads become final; when a bucket is complete its reduction over
+the data-parallel group is started asynchronously while backward continues on earlier layers (as
+Megatron's and PyTorch DDP's buckets do). A grad is final in the backward of the last micro-batch
+that reaches it, and who knows which that is differs by caller: without a pipeline the caller
+turns counting on for the last micro-batch (``sync_enabled``), and the post-accumulate-grad hook
+counts; a pipeline schedule's backwards of different chunks interleave, so it ``arm``s each
+chunk's parameters just before that chunk's last backward (the hook counts them then), or, for a
+zero-bubble W pass that adds grads by hand (no hook fires), declares them ``ready`` right after it.
+``finish`` launches what is left (a bucket whose parameter got no gradient, one holding a tied
+embedding the pipeline sums first, or every bucket without ``overlap``), waits, and turns the sums
+into means, dividing by the micro-batch count as well where the caller summed micro-batches
+unscaled (a pipeline): dividing before the reduce would write into buckets already in flight.
 
 The buffer's dtype is the parameters' for fp32/fp64 models: ``p.grad`` *is* the view, autograd
 accumulates straight into it. For bf16/fp16 models the buffer is fp32 (grads are accumulated and
@@ -129,11 +137,12 @@ class GradBuffer:
     it, expert-tagged parameters are reduced as dense ones, which is right where ep is 1."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_cp_group, bucket_size: int,
-                 distributed: bool = False, expert_dp_group=None):
+                 distributed: bool = False, expert_dp_group=None, overlap: bool = True):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.dp = dp_cp_group, C.group_size(dp_cp_group)
         self.expert_group = expert_dp_group
-        self.distributed = distributed
+        self.distributed, self.overlap = distributed, overlap
+        self._armed: set = set()  # parameters the hook counts although sync is off (``arm``)
         ordered = list(reversed(self.params))
         first = ordered[0]
         self.dtype = grad_dtype_for(first.dtype)
@@ -171,7 +180,23 @@ class GradBuffer:
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.separate:
             main_grad(p)
-        if not self.sync_enabled or self.dp == 1:
+        if self.sync_enabled or p in self._armed:
+            self._count(p)
+
+    def arm(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Have the hook count ``params`` from their next gradient on, whatever ``sync_enabled``
+        says: a pipeline calls it just before a chunk's last backward (see the module docstring)."""
+        if self.overlap and self.dp > 1:
+            self._armed.update(p for p in params if p in self._bucket_of)
+
+    def ready(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Count ``params`` as final now (their grads were added by hand, and folded into the buffer)."""
+        for p in params:
+            if p in self._bucket_of:
+                self._count(p)
+
+    def _count(self, p: torch.nn.Parameter) -> None:
+        if not self.overlap or self.dp == 1:
             return
         bucket = self._bucket_of[p]
         bucket.ready += 1
@@ -197,23 +222,27 @@ class GradBuffer:
                 p.grad = p.main_grad
         for bucket in self.buckets:
             bucket.ready, bucket.handle = 0, None
+        self._armed.clear()
 
-    def finish(self) -> None:
+    def finish(self, microbatches: int = 1) -> None:
         """Complete the reduction; afterwards every DP rank holds the mean gradient (of its shards,
-        when distributed): each bucket's sum over its group, divided by dp x cp."""
+        when distributed): each bucket's sum over its group, divided by dp x cp and by
+        ``microbatches`` (the number of unscaled micro-batch grads summed into it, a pipeline's)."""
         if self.separate:
             for p in self.offsets:
                 main_grad(p)
-        if self.dp == 1:
-            return
+        if self.dp > 1:
+            for bucket in self.buckets:
+                if bucket.handle is None:  # params that got no gradient, a tied embedding, or no overlap
+                    self._launch(bucket)
+        scale = self.dp * microbatches
         for bucket in self.buckets:
-            if bucket.handle is None:  # params that got no gradient, or sync was off throughout
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            bucket.handle = None
-            (bucket.shard if self.distributed else bucket.view).div_(self.dp)
-            bucket.ready = 0
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            bucket.handle, bucket.ready = None, 0
+            if scale != 1:
+                (bucket.shard if self.distributed else bucket.view).div_(scale)
+        self._armed.clear()
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group,

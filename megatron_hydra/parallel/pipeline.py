@@ -28,10 +28,19 @@ its forward actions (``pipeline_runtime.keep_forward_actions``).
 Loss. The last stage's module returns the per-token loss (labels reach every stage as a keyword
 argument; only the last uses them) and the schedule's ``loss_fn`` reduces it to the micro-batch's
 masked mean (``loss_mask`` is the schedule's target). The schedule runs with ``scale_grads=False``:
-the caller (``training.step``) divides the accumulated grads by the number of micro-batches, on the
-buffered grads (``data_parallel.main_grad``), which the schedule's ``scale_grads`` does not see (a
-16-bit model accumulates in an fp32 buffer). The step's loss is summed over the pp group from the
-last stage (others add zero), so every rank, rank 0 included, holds it.
+the caller divides the accumulated grads by the number of micro-batches, on the buffered grads
+(``data_parallel.main_grad``), which the schedule's ``scale_grads`` does not see (a 16-bit model
+accumulates in an fp32 buffer): ``GradBuffer.finish`` does it after its reduce, FSDP's step after
+its reduce-scatter. The step's loss is summed over the pp group from the last stage (others add
+zero), so every rank, rank 0 included, holds it.
+
+Data-parallel overlap (``overlap_grad_reduce``, ``parallel.overlap_grad_reduce``). A chunk's grads
+are final after its last micro-batch's backward (1F1B, interleaved) or last W pass (zero-bubble,
+ZB-V), while the schedule still runs the other chunks and micro-batches: the gradient buffer is
+told then (``_ReduceWhenFinal``, called around every computation by ``HookedStage``), and each of
+its buckets starts reducing as soon as all its parameters are final, per chunk, so the reduce of
+later stages' layers overlaps the backward of earlier ones. The tied embedding's copies are never
+declared final here: their buckets start after ``reduce_tied_grads``, in the buffer's ``finish``.
 
 Tied embeddings. The last stage holds its own copy of the word embedding (parameters tagged
 ``shared_embedding``); after the schedule the copies' grads are summed over the ``embedding``
@@ -122,6 +131,32 @@ def _fold_weight_grads(stage) -> None:
         main_grad(p)
 
 
+class _ReduceWhenFinal:
+    """Tells ``buffer`` when each chunk's grads are final (module docstring): before the chunk's
+    last full backward its parameters are armed (the buffer's accumulate hook then counts them);
+    after its last W pass, which adds grads by hand, they are declared ready. Counting the
+    computations that finish a micro-batch's weight grads (B or W) needs no knowledge of the
+    schedule's order. ``params``: stage index -> its parameters, tied ones left out."""
+
+    def __init__(self, buffer, params: dict, num_microbatches: int):
+        self.buffer, self.params, self.m = buffer, params, num_microbatches
+        self.done = dict.fromkeys(params, 0)
+
+    def reset(self) -> None:
+        self.done = dict.fromkeys(self.params, 0)
+
+    def before(self, stage_index: int, kind: str) -> None:
+        if kind == "B" and self.done[stage_index] == self.m - 1:
+            self.buffer.arm(self.params[stage_index])
+
+    def after(self, stage_index: int, kind: str) -> None:
+        if kind not in ("B", "W"):
+            return
+        self.done[stage_index] += 1
+        if kind == "W" and self.done[stage_index] == self.m:
+            self.buffer.ready(self.params[stage_index])
+
+
 class Pipeline:
     """This rank's model chunks as pipeline stages, with one training and one evaluation schedule.
 
@@ -129,7 +164,9 @@ class Pipeline:
     ``events`` to a list records every computation of the training schedule as
     ``(stage, kind, micro-batch, start, end)`` with kind F (forward), B (backward), I and W (the
     input- and weight-gradient halves of a zero-bubble backward), for tests and benchmarks; it
-    only observes (``pipeline_runtime.HookedStage.on_action``)."""
+    only observes (``pipeline_runtime.HookedStage.on_action``). Each computation is also marked
+    (``collectives.mark``) among the collectives where they are recorded (``record_comm``), so a
+    test can tell which collective was issued before which computation ended."""
 
     def __init__(self, chunks: Sequence[nn.Module], stages: Sequence[int], ps: ParallelState, schedule: str,
                  num_microbatches: int, loss_fn: Callable, device: torch.device,
@@ -144,9 +181,21 @@ class Pipeline:
         self.num_stages = ps.pp_size * len(self.chunks)
         self.holds_last = self.num_stages - 1 in self.stages
         self.events: Optional[list] = None
+        self._train_stages: List[HookedStage] = []
         self._train = self._build(train=True)
         self._eval = None  # built on first use: its stages keep their own (gradient-free) buffers
         self.tied = [p for c in self.chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
+        self._final: Optional[_ReduceWhenFinal] = None
+
+    def overlap_grad_reduce(self, buffer) -> None:
+        """Start ``buffer``'s (a ``data_parallel.GradBuffer``) bucket reduces during the schedule,
+        each as soon as its grads are final (module docstring); the buffer's ``overlap`` says
+        whether it starts them then or all in ``finish``."""
+        params = {index: [p for p in chunk.parameters() if not getattr(p, "shared_embedding", False)]
+                  for chunk, index in zip(self.chunks, self.stages)}
+        self._final = _ReduceWhenFinal(buffer, params, self.num_microbatches)
+        for stage in self._train_stages:
+            stage.grad_hooks = self._final
 
     def _build(self, train: bool):
         io = {index: self.stage_io(index) if self.stage_io else (None, None) for index in self.stages}
@@ -155,6 +204,8 @@ class Pipeline:
                   for chunk, index in zip(self.chunks, self.stages)]
         for stage in stages if train else ():
             stage.on_action = self._record
+        if train:
+            self._train_stages = stages
         cls = SCHEDULES[self.schedule_name]
         first = stages[0] if cls is Schedule1F1B else stages
         schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=False)
@@ -163,6 +214,7 @@ class Pipeline:
         return schedule
 
     def _record(self, stage: int, kind: str, mb: int, start: float, end: float) -> None:
+        C.mark(f"{kind}{stage}.{mb}")  # in the order of the collectives, where they are recorded
         if self.events is not None:
             self.events.append((stage, kind, mb, start, end))
 
@@ -186,6 +238,8 @@ class Pipeline:
         over micro-batches (averaging them and summing the tied copies is the caller's: see the
         module docstring). Returns the mean loss. ``inputs`` (e.g. BERT's padding mask) reach every
         stage as keyword arguments, like labels."""
+        if self._final is not None:
+            self._final.reset()
         return self._run(self._train, tokens, labels, loss_mask, True, inputs)
 
     def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,

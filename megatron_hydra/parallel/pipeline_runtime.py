@@ -2,11 +2,13 @@
 
 Three things we need are not public API in torch 2.6-2.13:
 
-- **A callback after each computation of a stage.** Zero-bubble schedules add weight gradients
-  to ``.grad`` by hand in their W pass (no accumulate hook fires), so a 16-bit model must fold
-  them into its fp32 buffer right after each W pass, or micro-batches would sum in 16 bits. The
-  same callback times computations for the bubble measurements. ``HookedStage`` overrides
-  ``PipelineStage``'s per-chunk methods to provide it.
+- **A callback before and after each computation of a stage.** Zero-bubble schedules add weight
+  gradients to ``.grad`` by hand in their W pass (no accumulate hook fires), so a 16-bit model
+  must fold them into its fp32 buffer right after each W pass, or micro-batches would sum in 16
+  bits. The data-parallel overlap needs to know when a chunk's last backward (or W pass) starts
+  and ends, to start reducing its buckets there. The same callback times computations for the
+  bubble measurements. ``HookedStage`` overrides ``PipelineStage``'s per-chunk methods to
+  provide it.
 - **A forward-only copy of a runtime schedule.** Torch's runtime schedules (interleaved
   zero-bubble, ZB-V) walk their whole action list even under ``eval()``, and a V schedule's
   backward actions then fail. ``keep_forward_actions`` keeps the forward actions only.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed import pipelining
@@ -57,23 +59,38 @@ def check_supported() -> None:
 ActionHook = Callable[[int, str, int, float, float], None]
 
 
+class GradHooks(Protocol):
+    """What a stage tells about its gradients (``pipeline``'s data-parallel overlap): ``before``
+    and ``after`` each computation of kind F, B, I or W on stage ``stage_index``."""
+
+    def before(self, stage_index: int, kind: str) -> None: ...
+
+    def after(self, stage_index: int, kind: str) -> None: ...
+
+
 class HookedStage(pipelining.PipelineStage):
-    """``PipelineStage`` that calls ``after_weight_grads(stage)`` after every W pass (correctness)
+    """``PipelineStage`` that calls ``after_weight_grads(stage)`` after every W pass (correctness),
+    ``grad_hooks`` around every computation when set (the data-parallel overlap; after the fold)
     and ``on_action(...)`` after every computation when it is set (instrumentation)."""
 
     def __init__(self, *args, after_weight_grads: Callable[[pipelining.PipelineStage], None], **kwargs):
         super().__init__(*args, **kwargs)
         self.after_weight_grads = after_weight_grads
+        self.grad_hooks: Optional[GradHooks] = None
         self.on_action: Optional[ActionHook] = None
 
     def _timed(self, kind: str, method, mb: int, *args, **kwargs):
+        if kind == "B" and not kwargs.get("full_backward", True):
+            kind = "I"
+        if self.grad_hooks is not None:
+            self.grad_hooks.before(self.stage_index, kind)
         start = time.perf_counter()
         out = method(mb, *args, **kwargs)
         if kind == "W":
             self.after_weight_grads(self)
+        if self.grad_hooks is not None:
+            self.grad_hooks.after(self.stage_index, kind)
         if self.on_action is not None:
-            if kind == "B" and not kwargs.get("full_backward", True):
-                kind = "I"
             self.on_action(self.stage_index, kind, mb, start, time.perf_counter())
         return out
 

@@ -230,7 +230,8 @@ def _simulate_rank(cfg: RunConfig, derived: Derived, rank: int) -> RankResult:
                     module = LMModule(cfg, derived, ps)
                 strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                             distributed_optimizer=cfg.optim.distributed_optimizer,
-                                            data_parallel=cfg.parallel.data_parallel)
+                                            data_parallel=cfg.parallel.data_parallel,
+                                            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
                 strategy.connect(module)
                 strategy.wrap_model(module)
                 optimizer = module.build_optimizer(strategy.grad_buffer)

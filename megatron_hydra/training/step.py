@@ -12,11 +12,15 @@ Everything between two optimizer steps happens here, in this order, and nowhere 
    - pp = 1: micro-batch by micro-batch, the loss times ``loss_scale / num_microbatches``; the
      data-parallel reduce stays off until the last micro-batch's backward, whose finished buckets
      start reducing while backward goes on;
-   - pp > 1: the pipeline schedule (``parallel.pipeline``) with the reduce off throughout (its
-     backwards interleave, so no bucket is final before it ends); then FSDP's reduce-scatter,
-     the grads divided by the micro-batch count (on the buffered fp32 grads, which the
-     schedule's own ``scale_grads`` does not see) and the tied embedding's copies summed;
-4. finish the data-parallel reduce (``GradBuffer.finish``: the remaining buckets, then means);
+   - pp > 1: the pipeline schedule (``parallel.pipeline``) with the step's reduce off; its
+     backwards interleave, so the pipeline itself tells the buffer when each chunk's grads are
+     final (its last backward or W pass), and those buckets start reducing during the schedule
+     (``parallel.overlap_grad_reduce``); then FSDP's reduce-scatter and its grads divided by the
+     micro-batch count, and the tied embedding's copies summed;
+4. finish the data-parallel reduce (``GradBuffer.finish``: the remaining buckets, then means;
+   with a pipeline also divided by the micro-batch count there, after the reduce, since buckets
+   are in flight before: the schedule's own ``scale_grads`` would not see the buffered fp32
+   grads of a 16-bit model either);
 5. set the learning rate (``training.lr_schedule``);
 6. the optimizer step (``parallel.optimizer.MegatronOptimizer.step``): sequence-parallel grads
    summed over TP, fp16's unscale and overflow check (a skipped step on every rank), clipping by
@@ -98,6 +102,8 @@ class TrainStep:
         self.step_optimizer = step_optimizer or optimizer.step
         self.buffer = optimizer.buffer  # None: FSDP holds the grads on its sharded parameters
         self.chunks = model_chunks(module.model)
+        if module.derived.pp > 1 and self.buffer is not None:
+            module.pipeline.overlap_grad_reduce(self.buffer)
 
     def __call__(self, batch: Dict[str, torch.Tensor], step: int) -> StepResult:
         m = self.module
@@ -108,7 +114,7 @@ class TrainStep:
             m.dpo.start_step(m.loss_dtype, m.home_device)
         loss = self._pipeline(batch) if m.derived.pp > 1 else self._accumulate(batch)
         if self.buffer is not None:  # FSDP finished its reduce-scatters at the end of backward
-            self.buffer.finish()
+            self.buffer.finish(m.derived.num_microbatches if m.derived.pp > 1 else 1)
         lr = lr_at(step, m.cfg.optim, m.cfg.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -149,6 +155,7 @@ class TrainStep:
 
     @torch.no_grad()
     def _average_microbatches(self) -> None:
+        """FSDP under a pipeline: its reduced grads summed over micro-batches, made their mean."""
         n = self.module.derived.num_microbatches
         for chunk in self.chunks:
             for p in chunk.parameters():
@@ -180,13 +187,15 @@ class TrainStep:
         return total / len(micro)
 
     def _pipeline(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """pp > 1: the schedule, then FSDP's reduce-scatter, the mean over micro-batches and the
-        tied embedding's sum, all before the data-parallel reduce starts."""
+        """pp > 1: the schedule (during which the buckets of final grads start reducing), then
+        FSDP's reduce-scatter and mean over micro-batches, and the tied embedding's sum, before
+        its buckets start."""
         m = self.module
         with self.no_sync():
             loss = m.pipeline.train_step(batch["tokens"], batch["labels"], m.pipeline_target(batch),
                                          **m.stage_inputs(batch)) / m.loss_scale
-            fsdp.finish_backward(self.chunks)  # FSDP chunks: reduce-scatter the accumulated grads now
-            self._average_microbatches()
+            if self.buffer is None:
+                fsdp.finish_backward(self.chunks)  # reduce-scatter the accumulated grads now
+                self._average_microbatches()
             m.pipeline.reduce_tied_grads()
         return loss

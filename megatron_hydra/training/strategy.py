@@ -68,13 +68,14 @@ class _ProcessGroupEnvironment(ClusterEnvironment):
 
 class MegatronStrategy(ParallelStrategy):
     def __init__(self, parallel_state: ParallelState, device: torch.device, *, grad_bucket_size: int,
-                 distributed_optimizer: bool = False, data_parallel: str = "ddp", local_rank: int = 0,
-                 node_rank: int = 0):
+                 distributed_optimizer: bool = False, data_parallel: str = "ddp", overlap_grad_reduce: bool = True,
+                 local_rank: int = 0, node_rank: int = 0):
         super().__init__(parallel_devices=[device],
                          cluster_environment=_ProcessGroupEnvironment(local_rank, node_rank))
         self.parallel_state = parallel_state
         self.grad_bucket_size = grad_bucket_size
         self.distributed_optimizer = distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce  # buckets reduce during backward, not all at its end
         self.fsdp = data_parallel == "fsdp"
         self.fsdp_chunks: list = []  # fsdp: the model chunks, each an FSDP root
         self.grad_buffer: Optional[GradBuffer] = None
@@ -111,7 +112,8 @@ class MegatronStrategy(ParallelStrategy):
             return
         ps = self.parallel_state
         self.grad_buffer = GradBuffer(module.parameters(), ps.dp_cp_group, self.grad_bucket_size,
-                                      distributed=self.distributed_optimizer, expert_dp_group=ps.expert_dp_group)
+                                      distributed=self.distributed_optimizer, expert_dp_group=ps.expert_dp_group,
+                                      overlap=self.overlap_grad_reduce)
 
     def _shard(self, module: torch.nn.Module) -> None:
         """FSDP over the data-parallel group: each transformer block a unit, each model chunk a root.

@@ -187,6 +187,7 @@ def _train(cfg: RunConfig, derived: Derived, local_rank: int, rank: int) -> None
         module.reference.load(cfg.checkpoint.load, cfg.peft.adapter)
     strategy = MegatronStrategy(ps, device, grad_bucket_size=cfg.parallel.grad_bucket_size,
                                 distributed_optimizer=cfg.optim.distributed_optimizer,
+                                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                                 data_parallel=cfg.parallel.data_parallel, local_rank=local_rank, node_rank=rank // max(1, cfg.trainer.devices))
     start = start_point(cfg, derived)
     train_loader, valid_loader = build_dataloaders(cfg, derived, ps, start["consumed_samples"] if start else 0)
