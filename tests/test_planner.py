@@ -365,3 +365,80 @@ def test_whole_experts_dispatch_their_own_tokens():
         4 * 32 * 16 * _transfer(1 / 2 * 2048 * 2 * 4096 * 2, cfg.cluster.nvlink_gb_per_s), rel=1e-12)
     assert estimate(tc, 64, split, cfg.cluster).ep_comm == pytest.approx(
         4 * 32 * 16 * _transfer(1 / 2 * 4096 * 2 * 4096 * 2, cfg.cluster.nvlink_gb_per_s), rel=1e-12)
+
+
+def _square_layer():
+    """One GPT layer of h = 1000 over 1000 tokens: an activation is 2e6 bytes in bf16."""
+    from megatron_hydra.config.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=1000, num_attention_heads=10, num_query_groups=10,
+                             kv_channels=100, ffn_hidden_size=4000, seq_length=1000, max_position_embeddings=1000,
+                             vocab_size=1000, padded_vocab_size=1000)
+
+
+@pytest.mark.parametrize("recompute, passes", [(None, 2), ("full", 3)])
+def test_ring_collective_matmul_exposes_each_step_beyond_its_partial_matmul(recompute, passes):
+    from megatron_hydra.config.schema import ClusterConfig
+    from megatron_hydra.planning.performance import tp_layer_seconds
+
+    c = Constants(link_efficiency=1.0, latency_s=0.0)
+    cluster = ClusterConfig(nvlink_gb_per_s=1.0)  # 1e9 bytes/s
+    lay = Layout(tp=4, pp=1, dp=1, micro_batch=1, recompute=recompute, sequence_parallel=True,
+                 tp_comm_overlap=True, tp_comm_ring=True)
+    # An all-gather moves 3/4 of 2e6 bytes: 1.5 ms, in 3 ring steps of 0.5 ms; each step hides
+    # behind a quarter of its matmul (0.4, 2, 0, 0 ms): 0.4 + 0 + 0.5 + 0.5 ms per step exposed.
+    gemms = [0.4e-3, 2e-3, 0.0, 0.0]
+    on = tp_layer_seconds(_square_layer(), lay, cluster, c, gemms)
+    assert on == pytest.approx(passes * 3 * (0.4e-3 + 0.0 + 0.5e-3 + 0.5e-3), rel=1e-12)
+    off = tp_layer_seconds(_square_layer(), dataclasses.replace(lay, tp_comm_overlap=False), cluster, c, gemms)
+    assert off == pytest.approx(passes * 2 * 3e-3, rel=1e-12) and on < off  # 2 all-reduces of 3e6 bytes a pass
+
+
+def test_layouts_overlap_tensor_parallelism_only_with_sequence_parallelism():
+    from megatron_hydra.planning.layouts import overrides
+
+    cfg = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
+    found = list(layouts(cfg, cfg.cluster, Options(micro_batches=(1,), recompute=(None,), max_vpp=1)))
+    assert any(lay.sequence_parallel for lay in found) and any(not lay.sequence_parallel for lay in found)
+    for lay in found:
+        assert lay.tp_comm_overlap == lay.sequence_parallel and lay.tp_comm_ring
+        assert ("parallel.tp_comm_overlap=true" in overrides(lay)) == lay.sequence_parallel
+        assert not any("overlap_grad_reduce" in o or "overlap_param_gather" in o for o in overrides(lay))
+    te = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256",
+                         "model.transformer_impl=transformer_engine"])  # TE's own userbuffers are not wired
+    assert not any(lay.tp_comm_overlap for lay in layouts(te, te.cluster, Options(micro_batches=(1,), max_vpp=1)))
+    lay = next(x for x in found if x.sequence_parallel and x.tp == 8 and x.pp == 2)
+    run = layout_config(cfg, cfg.cluster, lay)
+    assert run.parallel.tp_comm_overlap and run.parallel.sequence_parallel
+    off = Options(micro_batches=(1,), recompute=(None,), max_vpp=1, distributed_optimizer=(True,),
+                  data_parallel=("ddp",), overlap_grad_reduce=False, overlap_param_gather=False)
+    words = overrides(next(x for x in layouts(cfg, cfg.cluster, off) if x.dp > 1))
+    assert {"parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"} <= set(words)
+
+
+def test_overlapped_parameter_gather_hides_behind_the_first_forward(h100):
+    tc = _square_layer()
+    lay = Layout(tp=1, pp=1, dp=8, micro_batch=1, distributed_optimizer=True)
+    both = estimate(tc, 8, lay, h100).dp_comm
+    no_gather = estimate(tc, 8, dataclasses.replace(lay, overlap_param_gather=False), h100).dp_comm
+    no_reduce = estimate(tc, 8, dataclasses.replace(lay, overlap_grad_reduce=False), h100).dp_comm
+    neither = estimate(tc, 8, dataclasses.replace(lay, overlap_grad_reduce=False, overlap_param_gather=False), h100)
+    assert both < no_gather < neither.dp_comm and both < no_reduce < neither.dp_comm
+
+
+def test_compile_fuses_the_element_passes_once(h100):
+    tc = _square_layer()
+    eager = Layout(tp=2, pp=1, dp=1, micro_batch=1, sequence_parallel=True)
+    compiled, fused = dataclasses.replace(eager, compiled=True), dataclasses.replace(eager, fused_kernels=True)
+    both = dataclasses.replace(fused, compiled=True)
+    times = {name: estimate(tc, 4, lay, h100).compute for name, lay in
+             (("eager", eager), ("compiled", compiled), ("fused", fused), ("both", both))}
+    assert times["compiled"] < times["eager"]
+    assert times["compiled"] == times["fused"] == times["both"]  # the same passes fused: no stacking
+    cfg = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256", "trainer.compile=true"])
+    from megatron_hydra.planning.layouts import overrides
+
+    found = list(layouts(cfg, cfg.cluster, Options(micro_batches=(1,), recompute=(None,), max_vpp=1)))
+    assert all(lay.compiled and "trainer.compile=true" in overrides(lay) for lay in found)
+    plain = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
+    assert not any(lay.compiled for lay in layouts(plain, plain.cluster, Options(micro_batches=(1,), max_vpp=1)))

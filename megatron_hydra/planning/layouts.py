@@ -16,6 +16,11 @@ planned (GPT, Llama, MoE, BERT, T5); the layouts a family cannot run (BERT and T
 context parallelism, T5 no pipeline stages, no FSDP: ``config.derive``) never derive. A LoRA job
 (``peft=lora``) and a DPO job (``objective=dpo``) are planned and timed as they run: the frozen
 base's memory and skipped gradients, the reference model's copy and forward (``planning.frozen``).
+This project's overlaps are on in every planned layout where they are available: the gradient
+reduce and the parameter gather behind compute (``parallel.overlap_grad_reduce``,
+``parallel.overlap_param_gather``) and, with sequence parallelism on the local layers, the ring
+collective matmul (``parallel.tp_comm_overlap``); ``overrides`` names each one that differs from
+its default, so the printed command runs what was timed.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ class Candidate:
 class Options:
     """What the enumeration may vary (SC21's runs had no sequence parallelism, no distributed
     optimizer, no overlapped gradient reduction and no flash attention: ``benchmarks/planner_sc21.py``
-    turns them off). Fused kernels and FP8 follow the config (``model.transformer_impl``,
-    ``precision.fp8``)."""
+    turns them off). Fused kernels, FP8 and compilation follow the config (``model.transformer_impl``,
+    ``precision.fp8``, ``trainer.compile``: compile's GPU gain is not measured yet, so the planner
+    never turns it on itself). Megatron-Core's ``overlap_p2p_comm`` has no counterpart here
+    (``planning.performance``: ``pp_comm_overlap``)."""
 
     micro_batches: Sequence[int] = MICRO_BATCHES
     recompute: Sequence[Optional[str]] = RECOMPUTE
@@ -56,6 +63,8 @@ class Options:
     distributed_optimizer: Sequence[bool] = (False, True)
     data_parallel: Sequence[str] = ("ddp", "fsdp")
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = True  # the ring collective matmul wherever it is available (sequence parallelism, local layers)
     max_vpp: int = 8
     cp_min_seq_length: int = LONG_SEQUENCE
     max_cp: int = 32
@@ -104,7 +113,9 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
     software = dict(flash_attention=opts.flash_attention, fused_kernels=cfg.model.transformer_impl == "transformer_engine",
                     fp8=cfg.precision.fp8 is not None, reference_forward=cfg.objective.name == "dpo",
                     muon_ns_steps=cfg.optim.muon_ns_steps if cfg.optim.name == "muon" else 0,
-                    muon_split_qkv=cfg.optim.muon_split_qkv)
+                    muon_split_qkv=cfg.optim.muon_split_qkv, compiled=cfg.trainer.compile,
+                    overlap_grad_reduce=opts.overlap_grad_reduce, overlap_param_gather=opts.overlap_param_gather)
+    ring = opts.tp_comm_overlap and cfg.model.transformer_impl != "transformer_engine"  # config.derive: local layers
     for tp, (cp, comm) in itertools.product(_divisors(cluster.gpus_per_node), cps):
         if comm == "a2a" and (heads // tp) % cp:
             continue  # config.derive: Ulysses splits each TP rank's heads over cp
@@ -122,8 +133,8 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
                         or (rc == "selective" and cp > 1)):  # the same run as none: CP attention is not replayed
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
-                             distributed_optimizer=do, overlap_grad_reduce=opts.overlap_grad_reduce, fsdp=fsdp,
-                             cp=cp, cp_comm=comm, ep=ep, whole_experts=whole, **software)
+                             distributed_optimizer=do, fsdp=fsdp, cp=cp, cp_comm=comm, ep=ep, whole_experts=whole,
+                             tp_comm_overlap=ring and sp, tp_comm_ring=True, **software)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:
@@ -147,6 +158,14 @@ def overrides(layout: Layout) -> Tuple[str, ...]:
         out.append("optim.distributed_optimizer=true")
     if layout.fsdp:
         out.append("parallel.data_parallel=fsdp")
+    if layout.tp_comm_overlap:
+        out.append("parallel.tp_comm_overlap=true")
+    if not layout.overlap_grad_reduce and layout.dp * layout.cp > 1:
+        out.append("parallel.overlap_grad_reduce=false")
+    if not layout.overlap_param_gather and layout.distributed_optimizer:
+        out.append("parallel.overlap_param_gather=false")
+    if layout.compiled:
+        out.append("trainer.compile=true")
     return tuple(out)
 
 
@@ -160,6 +179,8 @@ def layout_config(cfg: RunConfig, cluster: ClusterConfig, layout: Layout) -> Run
     par.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     par.pipeline_schedule = "interleaved_1f1b" if layout.vpp > 1 else "1f1b"
     par.sequence_parallel, par.layers_per_stage = layout.sequence_parallel, None
+    par.tp_comm_overlap, par.overlap_grad_reduce = layout.tp_comm_overlap, layout.overlap_grad_reduce
+    par.overlap_param_gather, out.trainer.compile = layout.overlap_param_gather, layout.compiled
     out.data.micro_batch_size = layout.micro_batch
     out.recompute.granularity = layout.recompute
     out.recompute.method, out.recompute.num_layers = "uniform", 1
@@ -238,6 +259,10 @@ def describe(layout: Layout) -> str:
         parts.append("dist-opt")
     if layout.fsdp:
         parts.append("fsdp")
+    if layout.tp_comm_overlap:
+        parts.append("tp-overlap")
+    if layout.compiled:
+        parts.append("compiled")
     return " ".join(parts)
 
 

@@ -111,26 +111,48 @@ project):
   ``fp8_efficiency * r_fp8 * eta * peak``, ``r_fp8`` the GPU's dense FP8 over bf16 peak
   (``FP8_PEAK_RATIO``: 2 on H100/H200/B200; the A100 has no FP8 tensor cores and runs bf16);
   attention and the LM head stay in bf16; ``fp8_efficiency`` is fitted (scaling, casts).
-* ``tp_comm_overlap`` (Megatron-Core with Transformer Engine's userbuffers; this project's layers
-  do not overlap, so its own layouts leave it off): each of the ``2 x 4`` half-size collectives of
-  a layer (``(t-1)/t * b s h e / c`` bytes per GPU: all-gather before QKV and FC1, reduce-scatter
-  after the output and FC2 projections, and their transposes in the backward) is paired with its
-  matmul ``G``. Forward (and recomputed forward) pairs are pipelined in ``t`` chunks, exposing
-  ``T/t + (t-1)/t * max(0, T - G)``; backward pairs are bulk-overlapped with the ``2 G`` of the
-  backward matmuls, exposing ``max(0, T - 2 G)``.
+* ``compiled`` (``trainer.compile``: ``torch.compile`` per transformer block): the norms, the
+  activation, RoPE and the dropouts of a block fused by the compiler, modelled as ``fused_kernels``
+  is: ``c_h_fused`` element passes instead of ``c_h``. Both fuse the same passes, so they do not
+  stack (one or both: ``c_h_fused``).
+* ``tp_comm_overlap`` (with sequence parallelism), paired per layer with the four matmuls ``G``
+  (QKV, output, MLP in, MLP out; per GPU, forward) whose inputs or outputs its collectives carry:
+  all-gather before QKV and FC1, reduce-scatter after the output and FC2 projections, each
+  ``T = (t-1)/t * b s h e / c`` bytes per GPU. Two implementations (``tp_comm_ring``):
+
+  - this project's ring collective matmul (``parallel.tp_comm_overlap``, the local layers): the
+    collective is split into ``t - 1`` ring steps of one sequence chunk each (``T_1 = T / (t-1)``
+    bytes, one message latency each), and each step's transfer runs while the matmul of the chunk
+    already present (``G / t``) computes; the last chunk's matmul has nothing left to hide. Per
+    collective ``(t-1) max(0, T_1 - G/t)`` is exposed. The backward mirrors it: the input
+    gradient's reduce-scatter (after QKV and FC1) and the output gradient's all-gather (before the
+    output and FC2 projections' backward) ride the ring the same way, each step behind one partial
+    input-gradient matmul (``G / t``, the forward's size); the weight gradients use the gathered
+    input kept from the forward. A layer exposes ``(2 + r) (t-1) sum_G max(0, T_1 - G/t)``
+    (``r = 1`` with full recompute, else 0).
+  - Megatron-Core with Transformer Engine's userbuffers (the published runs of
+    ``planning.calibration``): forward (and recomputed forward) pairs are pipelined in ``t``
+    chunks, exposing ``T/t + (t-1)/t * max(0, T - G)``; backward pairs are bulk-overlapped with
+    the ``2 G`` of the backward matmuls, exposing ``max(0, T - 2 G)``.
 * ``pp_comm_overlap`` (Megatron-Core's ``overlap_p2p_comm``, which NeMo's and Megatron-Bridge's
-  recipes turn on whenever the schedule is interleaved, ``v > 1``; this project's pipeline leaves
-  it off): in the steady state each chunk's send and receive run while the GPU computes its next
-  chunk, exposing ``max(0, T_p2p - F_v)`` per forward message and ``max(0, T_p2p - B_v)`` per
-  backward one (``F_v``, ``B_v`` one chunk's forward and backward of a micro-batch); the
-  ``2 (p-1)`` messages of the warm-up and cool-down stay exposed.
-* DP overlap per virtual chunk (``overlap_grad_reduce``): a chunk's gradients are reduced once its
-  last micro-batch's backward is done. With ``v`` chunks of backward time ``B_v = B / v`` each
-  (``B`` the backward of one micro-batch through the GPU's layers), the last chunk's reduction
-  ``R / v`` hides only behind its own backward, the others also behind the ``(v-1) p`` chunk
-  backwards of the interleaved cool-down: exposed ``max(R/v - B_v, R - B_v (1 + (v-1) p), 0)``
-  (``v = 1``: ``max(0, R - B)``). With the distributed optimizer the bf16 weights' all-gather
-  ``A`` hides the same way behind the forward ``F`` of the next step's first micro-batch.
+  recipes turn on whenever the schedule is interleaved, ``v > 1``): in the steady state each
+  chunk's send and receive run while the GPU computes its next chunk, exposing
+  ``max(0, T_p2p - F_v)`` per forward message and ``max(0, T_p2p - B_v)`` per backward one
+  (``F_v``, ``B_v`` one chunk's forward and backward of a micro-batch); the ``2 (p-1)`` messages of
+  the warm-up and cool-down stay exposed. This project's layouts leave it off: torch's pipelining
+  schedules post a chunk's receive just before the computation that needs it (the interleaved
+  schedule waits for each time step's batch of sends and receives before its next computation),
+  so the transfers do not run behind the next chunk's compute; ``benchmarks/overlap.py`` measures
+  what its transfers expose.
+* DP overlap per virtual chunk (``overlap_grad_reduce``, under every schedule): a chunk's gradients
+  are reduced once its last micro-batch's backward is done. With ``v`` chunks of backward time
+  ``B_v = B / v`` each (``B`` the backward of one micro-batch through the GPU's layers), the last
+  chunk's reduction ``R / v`` hides only behind its own backward, the others also behind the
+  ``(v-1) p`` chunk backwards of the interleaved cool-down: exposed
+  ``max(R/v - B_v, R - B_v (1 + (v-1) p), 0)`` (``v = 1``: ``max(0, R - B)``); off, ``R`` whole.
+  With the distributed optimizer and ``overlap_param_gather`` the bf16 weights' all-gather ``A``,
+  issued in the order the next forward reads the weights, hides the same way behind the forward
+  ``F`` of the next step's first micro-batch; off, ``A`` whole.
 
 Muon (``optim=muon``): its Newton-Schulz iterations and TP all-gathers after each step, not
 overlapped (``StepTime.optimizer``, ``planning.muon.step_seconds``).
@@ -224,8 +246,11 @@ class Layout:
     flash_attention: bool = True  # scores never in HBM, causal blocks skipped (SDPA / TE on GPU)
     fused_kernels: bool = False  # model.transformer_impl=transformer_engine
     fp8: bool = False  # precision.fp8
-    tp_comm_overlap: bool = False  # TE userbuffers (Megatron-Core's tp_comm_overlap); not in this project
+    tp_comm_overlap: bool = False  # parallel.tp_comm_overlap (with sequence parallelism)
+    tp_comm_ring: bool = False  # True: this project's ring collective matmul; False: TE's userbuffers (Megatron-Core)
     pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
+    overlap_param_gather: bool = True  # parallel.overlap_param_gather (with the distributed optimizer)
+    compiled: bool = False  # trainer.compile: each block's element-wise kernels fused (as fused_kernels)
     reference_forward: bool = False  # objective=dpo: the reference model's forward pass before each step
     muon_ns_steps: int = 0  # optim=muon: Newton-Schulz iterations per step (planning.muon); 0: AdamW
     muon_split_qkv: bool = False  # optim.muon_split_qkv
@@ -374,11 +399,12 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
             reduce = _ring_time(volume * 2 * GRAD_BYTES, link, c, 2) + (
                 _ring_time(share * 2 * GRAD_BYTES, link, c, 2) if share else 0)
             gather = 0.0
+        forward_of_first = per_gpu(lambda x: x.fwd) + head_fwd
         if lay.overlap_grad_reduce:
-            forward_of_first = per_gpu(lambda x: x.fwd) + head_fwd
-            dp_comm = _chunk_overlap(reduce, backward_of_last, v, p) + _chunk_overlap(gather, forward_of_first, v, p)
+            dp_comm = _chunk_overlap(reduce, backward_of_last, v, p)
         else:
-            dp_comm = reduce + gather
+            dp_comm = reduce
+        dp_comm += _chunk_overlap(gather, forward_of_first, v, p) if lay.overlap_param_gather else gather
 
     gpus = t * p * cp * d
     layer_flops = sum(st.tokens * st.layers * (sum(st.projections) + st.attention) for st in layer_stacks(tc))
@@ -422,7 +448,7 @@ def _stack_seconds(tc: TransformerConfig, st: LayerStack, lay: Layout, cluster: 
     h_rep = tc.hidden_size / t if lay.sequence_parallel else tc.hidden_size
     x = moe_fraction(tc)
     f = (1 - x) * tc.ffn_hidden_size + x * mlp_widths(tc)[1]
-    passes = (c.c_h_fused if lay.fused_kernels else c.c_h) * st.branches / 2
+    passes = (c.c_h_fused if lay.fused_kernels or lay.compiled else c.c_h) * st.branches / 2  # fusions do not stack
     mem_h = c.kappa * ACT_BYTES * tokens_mb * (passes * h_rep + 2 * f / t) / hbm
     keys = st.attention_dense / (4 * tc.kv_channels)  # a s: the scores per query of every head
     mem_s = c.kappa * ACT_BYTES * tokens_mb * score_passes * keys / t / hbm
@@ -464,6 +490,9 @@ def tp_layer_seconds(tc: TransformerConfig, lay: Layout, cluster: ClusterConfig,
                + sum(_ring_time(message(n), link, c) for n in st.tp_backward))
     if not lay.tp_comm_overlap or len(projections) != 4:
         return exposed
+    if lay.tp_comm_ring:  # one ring step's transfer (1/(t-1) of the collective) behind each partial matmul
+        step = _ring_time(message(st.tokens) / 2 / (t - 1), link, c)
+        return (2 + replays) * (t - 1) * sum(max(0.0, step - g / t) for g in projections)
     half = _ring_time(message(st.tokens) / 2, link, c)
     pipelined = sum(half / t + (t - 1) / t * max(0.0, half - g) for g in projections)
     bulk = sum(max(0.0, half - 2 * g) for g in projections)
