@@ -3,6 +3,7 @@ checkpoints load into plain runs."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -60,17 +61,52 @@ def _state_bytes(rank, world, distributed, dtype):
     module, buffer, opt = _one_step(cfg, derive(cfg), ParallelState.build(dp=world), distributed)
     params = sum(p.numel() for p in module.model.parameters())
     return {"optimizer": opt.optimizer_bytes(), "main": opt.main_weight_bytes(), "params": params,
-            "buckets": len(buffer.buckets)}
+            "buckets": len(buffer.buckets), "order": _gather_order(module, buffer, opt) if distributed else None}
+
+
+def _gather_order(module, buffer, opt):
+    """One more step, recorded: the parameter all-gathers' bytes in the order they were issued
+    (against each bucket's), and which had been waited for when the first module's forward began; then
+    the same step with ``overlap_param_gather`` off: whether any gather was left for the forward."""
+    from megatron_hydra.parallel import collectives as C
+
+    first = module.model.embedding
+    hook = first.register_forward_pre_hook(lambda m, a: C.mark("first_forward"))  # after the optimizer's wait
+    tokens = torch.randint(0, 100, (2, 32))
+    for p in module.model.parameters():
+        p.main_grad.fill_(1e-3)
+    buffer.finish()
+    with C.record_comm() as rec:
+        opt.step()
+        module.model(tokens)
+    hook.remove()
+    gathers = [e for e in rec.events if e.kind == "dp_all_gather"]
+    start = next(t for label, _, t in rec.marks if label == "first_forward")
+    item = opt.param_buffer.element_size()
+    own = next(i for i, b in enumerate(buffer.buckets) if any(p is first.weight for p in b.params))
+    waited = [i for i, e in enumerate(gathers) if e.wait_start is not None and e.wait_start <= start]
+    order = {"issued": [e.nbytes for e in gathers], "bucket_bytes": [(b.end - b.start) * item for b in buffer.buckets],
+             "own": own, "waited": waited}
+    opt.overlap_param_gather = False
+    opt.step()
+    return {**order, "left_without_overlap": len(opt._gathers)}
 
 
 def _state_bytes_both(rank, world, dtype):
-    """``_state_bytes`` of the plain and of the distributed optimizer, in one process group."""
+    """``_state_bytes`` of the plain and of the distributed optimizer, in one process group, and
+    the distributed optimizer's gather order (``_gather_order``)."""
     return {distributed: _state_bytes(rank, world, distributed, dtype) for distributed in (False, True)}
+
+
+@functools.lru_cache(maxsize=None)
+def _spawned(dp, dtype):
+    """The ranks of ``_state_bytes_both``, started once per layout for the tests that read them."""
+    return spawn_ranks(_state_bytes_both, dp, dtype)
 
 
 @pytest.mark.parametrize("dp,dtype", [(4, "float32"), (2, "bfloat16")])
 def test_optimizer_state_is_one_dp_th(dp, dtype):
-    both = spawn_ranks(_state_bytes_both, dp, dtype)
+    both = _spawned(dp, dtype)
     plain = {rank: r[False] for rank, r in both.items()}
     sharded = {rank: r[True] for rank, r in both.items()}
     n = plain[0]["params"]
@@ -87,6 +123,21 @@ def test_optimizer_state_is_one_dp_th(dp, dtype):
             assert 4 * n / dp <= r["main"] <= 4 * math.ceil(n / dp) + 4 * sharded[0]["buckets"] * dp
         else:
             assert r["main"] == 0  # fp32 Adam updates the model's own (gathered) parameter buffer
+
+
+@pytest.mark.parametrize("dp,dtype", [(4, "float32"), (2, "bfloat16")])
+def test_param_gathers_run_in_the_order_the_forward_reads_them(dp, dtype):
+    # Buckets hold the last layers first and a group completes its collectives in issue order:
+    # the gathers are issued last bucket first, so the embedding (the first module of the next
+    # forward) starts after its own bucket's gather alone. Without overlap none is left pending.
+    both = _spawned(dp, dtype)
+    for rank, r in both.items():
+        order = r[True]["order"]
+        sizes = order["bucket_bytes"]
+        assert len(sizes) > 2 and order["own"] == len(sizes) - 1
+        assert order["issued"] == sizes[::-1], rank
+        assert order["waited"] == [0], rank  # the first issued: the embedding's bucket
+        assert order["left_without_overlap"] == 0
 
 
 CROSS = [*SMALL, "precision=fp64", "trainer.max_steps=6"]

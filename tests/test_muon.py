@@ -183,13 +183,27 @@ def _layouts(rank, world, ckpt_dir):
         if name == "tp2_dp2":
             save(ckpt_dir, module.model, opt, ps, module.derived.transformer.vocab_size,
                  {"step": STEPS, "consumed_samples": 0, "shapes": {}}, rng_states=False)
+    from test_muon_distributed import distributed_layouts  # the same ranks: one start for both modules
+
+    results["distributed"] = distributed_layouts(rank, world, f"{ckpt_dir}_zero1")
     return results
+
+
+_SPAWNED: dict = {}
+
+
+def spawned(tmp_path_factory):
+    """The four ranks' results (this module's layouts and ``test_muon_distributed``'s), started
+    once for both modules, and the directory of their checkpoints."""
+    if not _SPAWNED:
+        ckpt = tmp_path_factory.mktemp("muon") / "ckpt"
+        _SPAWNED["value"] = spawn_ranks(_layouts, 4, str(ckpt)), ckpt
+    return _SPAWNED["value"]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("muon") / "ckpt"
-    return spawn_ranks(_layouts, 4, str(ckpt)), ckpt
+    return spawned(tmp_path_factory)
 
 
 def single(overrides=()):
@@ -308,7 +322,6 @@ def test_switching_optimizer_says_what_starts_afresh(tmp_path, caplog, saved, lo
 
 
 @pytest.mark.parametrize("override,key", [
-    ("optim.distributed_optimizer=true", "optim.distributed_optimizer"),
     ("parallel.data_parallel=fsdp", "parallel.data_parallel=fsdp"),
     ("optim.muon_momentum=1.0", "optim.muon_momentum"),
     ("peft=lora", "optim=muon with peft=lora"),

@@ -61,11 +61,11 @@ def test_momentum_is_one_buffer_where_adam_keeps_two(overrides):
     assert any("optim=muon" in n for n in plan.notes)
 
 
-def test_distributed_optimizer_and_fsdp_are_refused_with_muon():
-    for key in ("optim.distributed_optimizer=true", "parallel.data_parallel=fsdp"):
-        cfg = compose_config(["model=gpt_tiny", "optim=muon", "trainer.devices=2", key])
-        with pytest.raises(Exception, match="optim=muon with"):
-            derive(cfg)
+def test_fsdp_is_refused_with_muon_and_the_distributed_optimizer_is_not():
+    derive(compose_config(["model=gpt_tiny", "optim=muon", "trainer.devices=2", "optim.distributed_optimizer=true"]))
+    cfg = compose_config(["model=gpt_tiny", "optim=muon", "trainer.devices=2", "parallel.data_parallel=fsdp"])
+    with pytest.raises(Exception, match="optim=muon with"):
+        derive(cfg)
 
 
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64)])
@@ -90,6 +90,18 @@ def dry_runs():
             (result,) = D.dry_run(cfg, derived, [rank])
         out[rank] = (result, counter.bytes["muon_tp_gather"], cfg, derived)
     return out
+
+
+def test_dry_run_static_memory_with_owned_matrices_is_the_plan():
+    """Muon under the distributed optimizer (tp2 x pp2 x dp2): the busiest rank's Adam shards and
+    the momentum of the matrices it owns, as planned."""
+    cfg = compose_config(["model=gpt_tiny", "model.seq_length=32", "model.vocab_size=512", "data=synthetic",
+                          "data.micro_batch_size=1", "data.global_batch_size=4", "trainer=gpu", "precision=bf16",
+                          "optim=muon", "optim.distributed_optimizer=true", "parallel=tp2_pp2", "trainer.devices=8"])
+    results = D.dry_run(cfg, derive(cfg), [0, 2])  # pp0 tp0 at dp0 and dp1: each owns its own matrices
+    busiest = max(r.static_bytes for r in results)
+    assert results[0].static_bytes != results[1].static_bytes
+    assert abs(busiest / results[0].plan_static_bytes - 1) < 0.01
 
 
 def test_dry_run_step_transient_equals_the_plan(dry_runs):
@@ -126,10 +138,9 @@ def test_step_time_adds_newton_schulz_and_the_gathers():
     assert with_muon.optimizer > no_gather.optimizer  # the TP all-gathers
 
 
-def test_planner_ranks_muon_layouts_without_sharded_optimizers():
+def test_planner_ranks_muon_layouts_without_fsdp():
     cfg = compose_config(["model=gpt_125m", "optim=muon"])
     cluster = H100_NODE
     found = plan_layouts(cfg, cluster)
-    assert found and all(c.layout.muon_ns_steps == 5 and not c.layout.distributed_optimizer and not c.layout.fsdp
-                         for c in found)
+    assert found and all(c.layout.muon_ns_steps == 5 and not c.layout.fsdp for c in found)
     assert all(c.step.optimizer > 0 for c in found)

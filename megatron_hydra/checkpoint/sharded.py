@@ -432,7 +432,7 @@ class _Loader:
             raise ValueError(f"{key} is held twice on one rank")
         place = placement(e, self.ps, self.vocab_size)
         parts = []
-        for piece in pieces:
+        for piece in (p for p in pieces if name in p.tensors):  # a Muon shard: its owner holds the momentum
             chunks = _piece_chunks(e, place, piece, name)
             if e.vocab:
                 for t in piece_views(e, piece, name):
@@ -501,14 +501,15 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
             owned = pieces.get(e.owner, [])
             if not owned:
                 continue
-            state_keys = [k for k in owned[0].tensors if k != "main"]
+            held = {k for piece in owned for k in piece.tensors}  # a Muon matrix's owner adds its momentum piece
+            state_keys = [k for k in held if k != "main"]
             if not all(_key(e.name, k) in metadata for k in state_keys):
                 fresh.add(e.owner)  # saved by the other optimizer: its state starts afresh, step count too
             elif e.owner not in steps:
                 steps[e.owner] = torch.zeros((), dtype=owned[0].step.dtype)
                 loader.sd[f"optim/{e.name}/step"] = steps[e.owner]
             for key in OPTIMIZER_KEYS:
-                if key not in owned[0].tensors or (key != "main" and e.owner in fresh):
+                if key not in held or (key != "main" and e.owner in fresh):
                     continue
                 if _key(e.name, key) in metadata:
                     loader.add_pieces(_key(e.name, key), e, owned, key)

@@ -8,7 +8,8 @@ from megatron_hydra.errors import ConfigError
 
 def check_optim(cfg: RunConfig) -> None:
     """Muon orthogonalises whole matrices: the layouts that hold only a slice of one on a rank
-    (other than TP's, which it gathers) and Transformer Engine's fused gate+up are refused here."""
+    (other than TP's, which it gathers, and the distributed optimizer's, whose ranks own whole
+    matrices: ``parallel.muon_owned``) and Transformer Engine's fused gate+up are refused here."""
     o = cfg.optim
     if o.name != "muon":
         return
@@ -18,9 +19,6 @@ def check_optim(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.muon_ns_steps={o.muon_ns_steps} must be >= 1: 5 is the published value")
     if o.muon_adam_lr is not None and o.muon_adam_lr <= 0:
         raise ConfigError(f"optim.muon_adam_lr={o.muon_adam_lr} must be > 0, or null for optim.lr")
-    if o.distributed_optimizer:
-        raise ConfigError("optim=muon with optim.distributed_optimizer=true is not supported: Muon needs each "
-                          "matrix's whole gradient on one rank; set optim.distributed_optimizer=false")
     if cfg.parallel.data_parallel == "fsdp":
         raise ConfigError("optim=muon with parallel.data_parallel=fsdp is not supported: FSDP keeps only rows of "
                           "each matrix on a rank; set parallel.data_parallel=ddp")

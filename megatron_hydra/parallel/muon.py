@@ -110,11 +110,14 @@ class Muon:
         self.state: Dict[nn.Parameter, dict] = {}
         self.updates = 0  # matrices updated so far (tests count that none was skipped)
 
-    def init_state(self, main: nn.Parameter, step_dtype: torch.dtype = torch.float32) -> dict:
+    def init_state(self, main: torch.Tensor, step_dtype: torch.dtype = torch.float32,
+                   like: Optional[torch.Tensor] = None, step: Optional[torch.Tensor] = None) -> dict:
+        """``main``'s state, created (zero) when missing: a momentum buffer like ``like`` (default
+        ``main``) and the step count ``step`` (default a new one)."""
         state = self.state.get(main)
         if state is None:
-            state = self.state[main] = {"step": torch.zeros((), dtype=step_dtype),
-                                        "momentum_buffer": torch.zeros_like(main)}
+            state = self.state[main] = {"step": torch.zeros((), dtype=step_dtype) if step is None else step,
+                                        "momentum_buffer": torch.zeros_like(main if like is None else like)}
         return state
 
     def _gathered(self, p: nn.Parameter) -> bool:
@@ -144,20 +147,23 @@ class Muon:
         return (o.chunk(tp, dim)[rank] if gathered else o).to(out_dtype)
 
     @torch.no_grad()
-    def step(self, lr: float, weight_decay: float) -> None:
+    def direction(self, p: nn.Parameter, state: dict, grad: torch.Tensor) -> torch.Tensor:
+        """Advance ``p``'s momentum ``state`` by ``grad`` and return the scaled orthogonal update."""
         mu = self.settings.momentum
+        state["step"] += 1
+        buf = state["momentum_buffer"]
+        buf.mul_(mu).add_(grad)
+        u = grad.add(buf, alpha=mu) if self.settings.nesterov else buf
+        self.updates += 1
+        if is_expert(p):
+            return torch.stack([self._orthogonal(p, u[e]) for e in range(u.shape[0])])
+        return self._orthogonal(p, u)
+
+    @torch.no_grad()
+    def step(self, lr: float, weight_decay: float) -> None:
         for p, main in zip(self.params, self.mains):
-            state = self.init_state(main)
-            state["step"] += 1
-            buf, grad = state["momentum_buffer"], main.grad
-            buf.mul_(mu).add_(grad)
-            u = grad.add(buf, alpha=mu) if self.settings.nesterov else buf
-            if is_expert(p):
-                update = torch.stack([self._orthogonal(p, u[e]) for e in range(u.shape[0])])
-            else:
-                update = self._orthogonal(p, u)
+            update = self.direction(p, self.init_state(main), main.grad)
             main.mul_(1 - lr * weight_decay).add_(update, alpha=-lr)
-            self.updates += 1
 
     def state_bytes(self) -> int:
         return sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in self.state.values())

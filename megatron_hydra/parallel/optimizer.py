@@ -11,8 +11,9 @@ What Adam updates (the *main* parameters) depends on the run, the step around it
   that the model parameters also view (fp32), or fp32 copies of them (16-bit). Adam state exists
   for those pieces only: 1/dp of the plain optimizer's. The grads arrive reduce-scattered (during
   backward, bucket by bucket); after the step each bucket's updated shard is all-gathered into the
-  parameter buffer asynchronously, and a forward pre-hook on each module waits for the buckets of
-  its own parameters, so the gather overlaps the next forward. Expert parameters (expert
+  parameter buffer asynchronously, in the order the next forward reads the buckets, and a forward
+  pre-hook on each module waits for the buckets of its own parameters, so the gather overlaps the
+  next forward (``parallel.overlap_param_gather``; false: the step waits for every gather). Expert parameters (expert
   parallelism) have buckets of their own, reduced over the expert data-parallel group (the ranks
   holding the same experts): their shards, Adam state and all-gathers are over that group, so
   rank r of it owns the r-th 1/size of each expert bucket.
@@ -30,7 +31,9 @@ piece is AdamW on the whole tensor, so the sharded step equals the plain one.
 With ``muon`` (``optim=muon``) the hidden matrices of the transformer blocks are stepped by Muon
 (``parallel.muon``) instead, on the same main parameters after the same unscaling and clipping;
 AdamW keeps the rest at its own learning rate. Muon needs each matrix whole (up to TP, which it
-gathers), so it runs without the distributed optimizer and FSDP (``config.optim`` refuses both).
+gathers): with the distributed optimizer each data-parallel rank owns whole matrices and the
+updates travel back through the parameter gather (``parallel.muon_owned``); FSDP is refused
+(``config.optim``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from megatron_hydra.parallel.data_parallel import GradBuffer, allreduce_sequence
 from megatron_hydra.parallel.fsdp import local_rows, local_shard
 from megatron_hydra.parallel.grad_clip import clip_grads, counted
 from megatron_hydra.parallel.muon import MUON_KEYS, Muon, MuonSettings, is_muon_param, qkv_shapes
+from megatron_hydra.parallel.muon_owned import OwnedMuon
 from megatron_hydra.parallel.state import ParallelState
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -134,8 +138,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, grad_buffer: Optional[GradBuffer], ps: ParallelState, *, lr: float, betas,
                  eps: float, weight_decay: float, clip_grad: float, scaler=None, impl: str = "auto",
-                 muon: Optional[MuonSettings] = None, adam_lr: Optional[float] = None):
+                 muon: Optional[MuonSettings] = None, adam_lr: Optional[float] = None,
+                 overlap_param_gather: bool = True):
         self.ps, self.buffer, self.scaler, self.clip_grad = ps, grad_buffer, scaler, clip_grad
+        self.overlap_param_gather = overlap_param_gather
         self.fsdp = grad_buffer is None
         if not self.fsdp and grad_buffer.expert_group is None and C.group_size(ps.ep_group) > 1 and any(
                 is_expert(p) for p in grad_buffer.params):
@@ -146,8 +152,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._gathers: Dict[int, object] = {}
         self._hooks: list = []
-        if muon is not None and (self.fsdp or self.distributed):
-            raise ValueError("Muon steps whole matrices: it runs without the distributed optimizer and FSDP")
+        if muon is not None and self.fsdp:
+            raise ValueError("Muon steps whole matrices: it runs without FSDP")
         if self.fsdp:
             self.pieces = self._fsdp_pieces(model)
         else:
@@ -166,8 +172,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.muon, self._muon_of = None, {}
         if muon is not None:
             device = self.pieces[0].main.device
-            self.muon = Muon([pc.param for pc in muon_pieces], [pc.main for pc in muon_pieces], ps, muon,
-                             qkv_shapes(model), ns_dtype=None if device.type == "cpu" else torch.bfloat16)
+            ns_dtype = None if device.type == "cpu" else torch.bfloat16
+            if self.distributed:
+                owned = [p for p in self.buffer.params if is_muon_param(names.get(p, ""), p)]
+                self.muon = OwnedMuon(Muon([], [], ps, muon, qkv_shapes(model), ns_dtype), self.buffer, owned,
+                                      muon_pieces)
+            else:
+                self.muon = Muon([pc.param for pc in muon_pieces], [pc.main for pc in muon_pieces], ps, muon,
+                                 qkv_shapes(model), ns_dtype=ns_dtype)
             self._muon_of = {id(pc): pc for pc in muon_pieces}
             groups = groups + [{"params": [pc.main for pc in muon_pieces], "lr": lr, "weight_decay": weight_decay,
                                 "muon": True}]
@@ -341,11 +353,17 @@ class MegatronOptimizer(torch.optim.Optimizer):
             if self.separate:
                 size = bucket.shard_end - bucket.shard_start
                 self.param_buffer[bucket.shard_start:bucket.shard_end].copy_(self.main_buffer[at:at + size])
-        for i, bucket in enumerate(self.buffer.buckets):
+        # Buckets are laid out from the last parameters registered to the first, and a group's
+        # collectives complete in issue order: issuing the last bucket first lets the first modules
+        # of the next forward (and the first pipeline chunk) start after their own gathers only.
+        for i in reversed(range(len(self.buffer.buckets))):
+            bucket = self.buffer.buckets[i]
             if bucket.size > 1:
                 self._gathers[i] = C.all_gather_into(self.param_buffer[bucket.start:bucket.end],
                                                      self.param_buffer[bucket.shard_start:bucket.shard_end],
                                                      bucket.group, "dp_all_gather")
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
 
     def _before_forward(self, module: nn.Module, args) -> None:
         for i in self._wait_for.get(module, ()):
@@ -390,6 +408,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         keeps one count per param group (``group["step"]``, see ``_step``). A Muon matrix's state
         is its momentum buffer and step count."""
         if id(pc) in self._muon_of:
+            if self.distributed:
+                return self.muon.piece_state(pc, step_dtype)
             return self.muon.init_state(pc.main, step_dtype)
         state = self.inner.state[pc.main]
         if not state:
@@ -405,6 +425,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         or the first after a resume) starts with it allocated, which the dry run measures."""
         for pc in self.pieces:
             self._piece_state(pc, step_dtype)
+        if isinstance(self.muon, OwnedMuon):
+            for p in self.muon.mains:
+                self.muon.init_state(p, step_dtype)
 
     def _group(self, pc: Piece) -> dict:
         return next(g for g in self.inner.param_groups if any(p is pc.main for p in g["params"]))
@@ -419,7 +442,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """Store a loaded step count where, and as, the inner optimizer keeps it: apex an int per
         group; torch's fused kernel a float32 tensor on the parameter's device; the others a CPU
         tensor."""
-        if id(pc) in self._muon_of:
+        if id(pc) in self._muon_of and self.distributed:
+            self.muon.set_step(pc.param, value)
+        elif id(pc) in self._muon_of:
             state["step"] = value.detach().to("cpu", copy=True)
         elif self.impl == "apex":
             self._group(pc)["step"] = int(value.item())
@@ -439,10 +464,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
         out = []
         for pc in self.pieces:
             state = self._piece_state(pc, step_dtype)
-            tensors = {k: state[k].view(-1) for k in (MUON_KEYS if id(pc) in self._muon_of else ADAM_KEYS)}
+            keys = MUON_KEYS if id(pc) in self._muon_of else ADAM_KEYS
+            tensors = {k: state[k].view(-1) for k in keys if k in state}  # a Muon shard: its owner has the momentum
             if self.separate:
                 tensors["main"] = pc.main.data.view(-1)
             out.append(StatePiece(pc.param, pc.lo, pc.hi, self._step(pc, state, step_dtype), tensors))
+        if isinstance(self.muon, OwnedMuon):
+            out += self.muon.checkpoint_pieces(step_dtype, StatePiece)
         return out
 
     def load_steps(self, steps: Dict[nn.Parameter, torch.Tensor]) -> None:
@@ -450,6 +478,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         for pc in self.pieces:
             if pc.param in steps:
                 self._set_step(pc, self._piece_state(pc, steps[pc.param].dtype), steps[pc.param])
+        if isinstance(self.muon, OwnedMuon):  # an owned matrix may have no shard piece here
+            for p in self.muon.mains:
+                if p in steps:
+                    self.muon.set_step(p, steps[p])
 
     @torch.no_grad()
     def reload_main_from_model(self) -> None:

@@ -508,7 +508,11 @@ def _muon(cfg: RunConfig, derived: Derived, pp_rank: int, optimizer: int) -> Tup
     main = muon.main_item(tc.params_dtype)
     momentum = muon.local_elements(matrices, derived.tp, derived.etp is not None) * main
     ns = muon.ns_item(tc.params_dtype, cfg.trainer.accelerator == "gpu")
-    return optimizer - momentum, muon.transient_bytes(matrices, derived.tp, main, ns, derived.etp is not None)
+    transient = muon.transient_bytes(matrices, derived.tp, main, ns, derived.etp is not None)
+    if cfg.optim.distributed_optimizer and tc.moe is None:  # whole matrices owned per DP rank: the busiest rank
+        return muon.distributed_optimizer_state(tc, _layer_chunks(cfg, derived, pp_rank), derived.tp,
+                                                derived.dp * derived.cp, cfg.parallel.grad_bucket_size, main), transient
+    return optimizer - momentum, transient
 
 
 def _buffer_bytes(cfg: RunConfig, derived: Derived, pp_rank: int, chunks) -> int:

@@ -29,6 +29,12 @@ gather), for a gathered matrix the whole ``m n v``, then the largest of: the nor
 set (``NS_MATRICES``, ``NS_GRAMS``), the scaled result beside the unscaled one ``2 m n v``, and the
 result beside its slice in ``e``. Experts are orthogonalised one at a time and their updates
 stacked.
+
+With the distributed optimizer (``parallel.muon_owned``) each data-parallel rank owns whole
+matrices: the momentum of a rank is that of the matrices it owns (``owned_elements``: the worst
+rank's, as ``assign_owners`` deals them), Adam leaves out the rank's 1/dp of the Muon matrices,
+Newton-Schulz runs on the owners only, and the buckets holding Muon matrices cross the network
+twice more per step (``ownership_bytes``).
 """
 
 from __future__ import annotations
@@ -74,25 +80,62 @@ class Matrix:
 def chunk_matrices(tcfg: TransformerConfig, first: int, last: int, pre: bool, post: bool, ep: int = 1) -> Tuple[Matrix, ...]:
     """Muon's matrices in the chunk of layers ``[first, last)`` of EP rank 0 (``E / ep`` experts),
     logical (tp 1), from the meta build of the family's model (T5: the whole model)."""
-    from megatron_hydra.models.archs import ARCHS
     from megatron_hydra.parallel.data_parallel import is_expert
     from megatron_hydra.parallel.muon import is_muon_param
-    from megatron_hydra.parallel.state import AXES, ParallelState
 
-    ps = ParallelState(sizes={**{a: 1 for a in AXES}, "dp": ep}, ep=ep) if ep > 1 else ParallelState.single()
-    build = ARCHS[tcfg.arch].build
-    if tcfg.arch == "t5":
-        model = build(tcfg, ps, device="meta")
-    else:
-        model = build(tcfg, ps, layers=range(first, last), pre_process=pre, post_process=post, device="meta")
     out = []
-    for name, p in model.named_parameters():
+    for name, p in _meta_chunk(tcfg, first, last, pre, post, ep).named_parameters():
         expert = is_expert(p)
         if is_muon_param(name, p):
             rows, cols = p.shape[-2:]
             dim = getattr(p, "tp_partition_dim", None)
             out.append(Matrix(rows, cols, p.shape[0] if expert else 1, None if dim is None else dim - expert, expert))
     return tuple(out)
+
+
+def _meta_chunk(tcfg: TransformerConfig, first: int, last: int, pre: bool, post: bool, ep: int):
+    """The meta build of the chunk of layers ``[first, last)`` of EP rank 0, logical (tp 1)."""
+    from megatron_hydra.models.archs import ARCHS
+    from megatron_hydra.parallel.state import AXES, ParallelState
+
+    ps = ParallelState(sizes={**{a: 1 for a in AXES}, "dp": ep}, ep=ep) if ep > 1 else ParallelState.single()
+    build = ARCHS[tcfg.arch].build
+    if tcfg.arch == "t5":
+        return build(tcfg, ps, device="meta")
+    return build(tcfg, ps, layers=range(first, last), pre_process=pre, post_process=post, device="meta")
+
+
+@lru_cache(maxsize=None)
+def chunk_flags(tcfg: TransformerConfig, first: int, last: int, pre: bool,
+                post: bool) -> Tuple[Tuple[int, bool, bool], ...]:
+    """``(logical elements, split over TP, stepped by Muon)`` of each trained parameter of a dense
+    chunk (``chunk_matrices``), in the model's parameter order."""
+    from megatron_hydra.parallel.muon import is_muon_param
+
+    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_muon_param(name, p))
+                 for name, p in _meta_chunk(tcfg, first, last, pre, post, 1).named_parameters() if p.requires_grad)
+
+
+def distributed_optimizer_state(tcfg: TransformerConfig, chunks, tp: int, dp: int, bucket_size: int, item: int) -> int:
+    """The optimizer state of the busiest data-parallel rank of a dense model with Muon under the
+    distributed optimizer: Adam's two moments over the other parameters' elements of its shards
+    of the buckets (laid out as ``parallel.data_parallel`` lays them), and the momentum of the
+    matrices it owns (``parallel.muon_owned.assign_owners``)."""
+    from megatron_hydra.parallel.data_parallel import bucket_layout
+
+    tc = shape_only(tcfg)
+    params = [(n // tp if split else n, muon) for layers, pre, post in chunks
+              for n, split, muon in chunk_flags(tc, layers.start, layers.stop, pre, post)]
+    owned = owner_loads([n for n, muon in params if muon], dp)
+    ordered = list(reversed(params))  # the buffer runs in reverse order
+    adam = [0] * dp
+    for lo, hi, start, end in bucket_layout([n for n, _ in ordered], bucket_size, dp):
+        share, at = (end - start) // dp, start
+        for n, muon in ordered[lo:hi]:
+            for r in range(dp) if not muon else ():
+                adam[r] += max(0, min(at + n, start + (r + 1) * share) - max(at, start + r * share))
+            at += n
+    return max(2 * a + o for a, o in zip(adam, owned)) * item
 
 
 def rank_matrices(tcfg: TransformerConfig, chunks, ep: int = 1) -> List[Matrix]:
@@ -105,6 +148,31 @@ def rank_matrices(tcfg: TransformerConfig, chunks, ep: int = 1) -> List[Matrix]:
 def local_elements(matrices: List[Matrix], tp: int, whole_experts: bool = False) -> int:
     """Elements of ``matrices`` a tensor-parallel rank holds (and keeps momentum for)."""
     return sum(m.numel // (tp if m.sharded and not (whole_experts and m.expert) else 1) for m in matrices)
+
+
+def owner_loads(sizes: List[int], ranks: int) -> List[int]:
+    """Elements each of ``ranks`` owns when matrices of ``sizes`` (in parameter order) are dealt
+    as ``parallel.muon_owned.assign_owners`` deals them."""
+    from megatron_hydra.parallel.muon_owned import assign_owners
+
+    load = [0] * ranks
+    for size, rank in zip(sizes, assign_owners(sizes, ranks)):
+        load[rank] += size
+    return load
+
+
+def owned_elements(matrices: List[Matrix], tp: int, dp: int, whole_experts: bool = False) -> int:
+    """With the distributed optimizer: the momentum elements of the rank that owns the most
+    (experts are dealt over the expert data-parallel group: give its size as ``dp`` for them)."""
+    return max(owner_loads([m.numel // (tp if m.sharded and not (whole_experts and m.expert) else 1)
+                            for m in matrices], dp))
+
+
+def ownership_bytes(bucket_bytes: int) -> int:
+    """Bytes a rank sends per step for Muon's ownership under the distributed optimizer, beyond
+    ZeRO-1's own: each bucket holding a Muon matrix gathered whole once and reduce-scattered
+    once (``parallel.muon_owned``); ``bucket_bytes``: those buckets' bytes together."""
+    return 2 * bucket_bytes
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
@@ -194,13 +262,13 @@ def layer_matrix_shapes(tc: TransformerConfig, split_qkv: bool = False, ep: int 
 
 
 def step_seconds(tc: TransformerConfig, layers_per_gpu: float, tp: int, steps: int, peak_flops: float,
-                 gather_time, split_qkv: bool = False, ep: int = 1) -> float:
+                 gather_time, split_qkv: bool = False, ep: int = 1, owners: int = 1) -> float:
     """Seconds of a GPU's Muon step beyond AdamW's: Newton-Schulz on its layers' matrices at
     ``peak_flops`` and the TP all-gathers (``gather_time(bytes)``, fp32 updates), not overlapped
-    with anything (every data-parallel rank steps every matrix: the distributed optimizer is
-    refused with Muon)."""
+    with anything. ``owners``: the data-parallel ranks that share the matrices out under the
+    distributed optimizer (``parallel.muon_owned``), 1 when every rank steps every matrix."""
     shapes = layer_matrix_shapes(tc, split_qkv, ep)
-    flops = layers_per_gpu * sum(k * newton_schulz_flops(r, c, steps) for r, c, k in shapes)
+    flops = layers_per_gpu * sum(k * newton_schulz_flops(r, c, steps) for r, c, k in shapes) / owners
     volume = layers_per_gpu * sum(k * r * c for r, c, k in shapes) * (tp - 1) / tp * 2
     return flops / peak_flops + (gather_time(volume) if tp > 1 else 0.0)
 
@@ -223,6 +291,11 @@ def plan_note(cfg, derived, rank_chunks: list) -> str:
         per_rank.append((step_flops(matrices, steps), gather_bytes(matrices, derived.tp, ns, derived.etp is not None),
                          sum(m.count for m in matrices)))
     flops, gathered, count = max(per_rank)
+    if cfg.optim.distributed_optimizer:
+        return (f"optim=muon with the distributed optimizer: {count} matrices per pipeline rank, each owned whole by "
+                f"one of {derived.dp * derived.cp} data-parallel ranks (its momentum and Newton-Schulz there, "
+                f"{flops:.3e} FLOPs per step over them, {steps} iterations); the buckets holding them are gathered and "
+                f"reduce-scattered once more per step; TP all-gathers {gathered / 2**20:.2f} MiB per TP group and step")
     return (f"optim=muon: {count} matrices per rank take one momentum buffer each (AdamW's two moments for the rest); "
             f"Newton-Schulz {flops:.3e} FLOPs per step on every rank ({steps} iterations on the logical matrices), "
             f"TP all-gathers {gathered / 2**20:.2f} MiB received per rank and step")

@@ -418,7 +418,8 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
                     model_flops=model_flops, hardware_flops=model_flops + global_batch * replayed, gpus=gpus,
                     tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm, optimizer=muon.step_seconds(
                         tc, layers_per_gpu, t, lay.muon_ns_steps, peak, lambda x: _ring_time(x, _group_link(cluster, t), c),
-                        lay.muon_split_qkv, lay.ep) if lay.muon_ns_steps else 0.0)
+                        lay.muon_split_qkv, lay.ep, owners=d * cp if lay.distributed_optimizer else 1)
+                    if lay.muon_ns_steps else 0.0)
 
 
 @dataclass(frozen=True)
