@@ -35,7 +35,7 @@ LAYOUTS = {  # name -> (model form, layout)
     "cp2": ("gpt", cp(2, 2)),
     "cp4_a2a": ("llama", cp(4, 4, "a2a")),
     "cp2_tp2_sp": ("llama", cp(2, 4, "p2p", "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
-                               "recompute.granularity=selective")),
+                               "parallel.tp_comm_overlap=true", "recompute.granularity=selective")),
     "cp2_pp2": ("gpt", cp(2, 4, "p2p", "parallel.pipeline_parallel_size=2", "recompute.granularity=full")),
     "cp2_dp2_distopt": ("llama", cp(2, 4, "a2a", "optim.distributed_optimizer=true")),
     "cp2_fsdp_dp2": ("gpt", cp(2, 4, "p2p", "parallel.data_parallel=fsdp")),

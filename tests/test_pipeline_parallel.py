@@ -33,7 +33,8 @@ LAYOUTS = [
     pytest.param([*PP2, "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zbv"], id="pp2_zbv"),
     pytest.param(["parallel=tp2_pp2", "trainer.devices=8"], id="tp2_pp2_dp2_1f1b"),
     pytest.param(["parallel=tp2_pp2", "trainer.devices=8", "parallel.sequence_parallel=true",
-                  "parallel.virtual_pipeline_size=2", "parallel.pipeline_schedule=zero_bubble"],
+                  "parallel.tp_comm_overlap=true", "parallel.virtual_pipeline_size=2",
+                  "parallel.pipeline_schedule=zero_bubble"],
                  id="tp2_pp2_dp2_sp_vpp2_zero_bubble"),
 ]
 

@@ -26,7 +26,7 @@ DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
 LAYOUTS = {
     "tp2": ["parallel=tp2", "trainer.devices=2"],
     "tp4": ["parallel=tp4", "trainer.devices=4"],
-    "tp2_sp": ["parallel=tp2", "parallel.sequence_parallel=true", "trainer.devices=2"],
+    "tp2_sp": ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", "trainer.devices=2"],
     "tp2_dp2": ["parallel=tp2", "trainer.devices=4"],
 }
 # Dropout masks under TP cannot be the single process's (attention dropout draws per TP rank from

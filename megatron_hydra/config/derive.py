@@ -383,6 +383,17 @@ def _check_gpu_switches(cfg: RunConfig, tp: int, kv_channels: int, ffn: int) -> 
                               f"but {what} = {size}: change the model shape or use precision=bf16")
 
 
+def _check_tp_comm_overlap(cfg: RunConfig) -> None:
+    """The collective matmul splits the sequence-parallel collectives (Megatron's rule: no SP, nothing
+    to overlap); Transformer Engine's layers bring their own (userbuffers), not wired here."""
+    if cfg.parallel.tp_comm_overlap and not cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.tp_comm_overlap=true needs parallel.sequence_parallel=true: set it, "
+                          "or parallel.tp_comm_overlap=false")
+    if cfg.parallel.tp_comm_overlap and cfg.model.transformer_impl != "local":
+        raise ConfigError(f"parallel.tp_comm_overlap=true runs on model.transformer_impl=local, not "
+                          f"{cfg.model.transformer_impl}: set parallel.tp_comm_overlap=false")
+
+
 def _check_context_parallel(cfg: RunConfig, tp: int, cp: int) -> None:
     """What context parallelism (``parallel.context_parallel``) needs: each rank holds chunks ``i``
     and ``2 cp - 1 - i`` of every sequence (then its 1/tp slice under sequence parallelism)."""
@@ -487,7 +498,8 @@ def _transformer_config(cfg: RunConfig, tp: int, cp: int, **resolved) -> Transfo
         decoder_seq_length=(m.decoder_seq_length or m.seq_length) if arch == "t5" else 0,
     )
     others = dict(
-        sequence_parallel=cfg.parallel.sequence_parallel, context_parallel_size=cp,
+        sequence_parallel=cfg.parallel.sequence_parallel, tp_comm_overlap=cfg.parallel.tp_comm_overlap,
+        context_parallel_size=cp,
         cp_comm_type=cfg.parallel.cp_comm_type, params_dtype=DTYPES[cfg.precision.params_dtype],
         recompute_granularity=cfg.recompute.granularity, recompute_method=cfg.recompute.method,
         recompute_num_layers=cfg.recompute.num_layers, fp8=_fp8_recipe(cfg),
@@ -532,6 +544,7 @@ def derive(cfg: RunConfig) -> Derived:
     _check_recompute(cfg, layers)
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
+    _check_tp_comm_overlap(cfg)
     _check_fsdp(cfg, pp)
     check_optim(cfg)
     _check_context_parallel(cfg, tp, cp)

@@ -127,6 +127,9 @@ class TransformerConfig:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     sequence_parallel: bool = False
+    # Under sequence parallelism, the column/row layers' all-gather and reduce-scatter as rings
+    # overlapped with partial matmuls (parallel.collective_matmul); parallel.tp_comm_overlap.
+    tp_comm_overlap: bool = False
     # Context parallelism (parallel.context_parallel): each sequence split over this many ranks;
     # how attention exchanges keys and values among them: p2p (ring) | a2a (Ulysses).
     context_parallel_size: int = 1

@@ -265,6 +265,7 @@ class _SharedFFN:
     add_bias_linear: bool
     sequence_parallel: bool
     params_dtype: torch.dtype
+    tp_comm_overlap: bool = False  # the shared expert keeps the plain collectives, as the experts do
 
 
 def default_loss_group(ps: ParallelState, sequence_parallel: bool):

@@ -70,7 +70,8 @@ class Attention(nn.Module):
         self.local_groups = cfg.num_query_groups // tp
         d = cfg.kv_channels
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-        common = dict(sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        common = dict(sequence_parallel=cfg.sequence_parallel, tp_comm_overlap=cfg.tp_comm_overlap,
+                      dtype=cfg.params_dtype, device=device)
         qkv_bias = cfg.qkv_bias  # resolved by TransformerConfig
         if cross:
             self.q = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * d, ps.tp_group, bias=qkv_bias,
@@ -182,7 +183,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, ps: ParallelState, device=None):
         super().__init__()
-        common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel, dtype=cfg.params_dtype, device=device)
+        common = dict(bias=cfg.add_bias_linear, sequence_parallel=cfg.sequence_parallel,
+                      tp_comm_overlap=cfg.tp_comm_overlap, dtype=cfg.params_dtype, device=device)
         self.activation = cfg.activation
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common)
         self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ps.tp_group, **common) if cfg.activation in GATED else None

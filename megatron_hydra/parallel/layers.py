@@ -10,6 +10,10 @@ Layers take the TP process group directly; they know nothing of models or of ``P
 Weights are created empty (in training on the meta device): ``models.init`` gives them storage and
 fills them layout-independently.
 
+With ``tp_comm_overlap`` (and sequence parallelism over tp > 1) the column- and row-parallel
+layers run their all-gather and reduce-scatter as rings overlapped with partial matmuls
+(``parallel.collective_matmul``); a layer with a LoRA adapter keeps the plain path.
+
 The LM head and the embedding lookup cross one device seam, ``kernels_for``: torch's own ops on an
 accelerator, CPU-only kernels over reused host memory (``parallel.host_memory``) on a CPU.
 """
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel import collective_matmul
 from megatron_hydra.parallel import mappings as M
 from megatron_hydra.parallel import host_memory
 from megatron_hydra.parallel.lora import add_adapter
@@ -72,13 +77,15 @@ class ColumnParallelLinear(nn.Module):
     is all-gathered first); output is this rank's slice of the features unless ``gather_output``.
     ``forward(x, input_entered=True)`` takes an input already passed through ``enter_tp_region``.
     ``lora``: a low-rank adapter (``parallel.lora.ColumnLoRA``) added to the output slice, or None.
+    ``tp_comm_overlap``: under sequence parallelism, the all-gather overlapped with the matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap
         self.in_features, self.out_features = in_features, out_features
         local_out = _shard(out_features, C.group_size(tp_group), "out_features")
         self.weight = tp_param((local_out, in_features), dtype, device, 0)
@@ -86,16 +93,30 @@ class ColumnParallelLinear(nn.Module):
         self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor, input_entered: bool = False) -> torch.Tensor:
-        if not input_entered:
-            x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
-        y = add_adapter(F.linear(x, self.weight, self.bias), self.lora, x)
+        if not input_entered and _overlapped(self):
+            y = collective_matmul.all_gather_linear(x, self.tp_group, [self.weight], [self.bias])[0]
+        else:
+            if not input_entered:
+                x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+            y = add_adapter(F.linear(x, self.weight, self.bias), self.lora, x)
         return M.gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+
+def _overlapped(*layers) -> bool:
+    """Whether ``layers`` run as collective matmuls: overlap asked for, sequence parallelism over
+    more than one rank, and no LoRA adapter (which reads the whole gathered input)."""
+    first = layers[0]
+    return (first.tp_comm_overlap and first.sequence_parallel and C.group_size(first.tp_group) > 1
+            and all(layer.lora is None for layer in layers))
 
 
 def same_input(x: torch.Tensor, *layers: ColumnParallelLinear):
     """Several column-parallel layers over one input (a gated MLP's gate and up projections):
     the input enters the TP region once, so backward reduces their summed input gradient once
-    instead of once per layer."""
+    instead of once per layer (under ``tp_comm_overlap``, one ring carries the input to all)."""
+    if _overlapped(*layers):
+        return collective_matmul.all_gather_linear(x, layers[0].tp_group, [layer.weight for layer in layers],
+                                                   [layer.bias for layer in layers])
     x = enter_tp_region(x, layers[0].tp_group, layers[0].sequence_parallel)
     return tuple(layer(x, input_entered=True) for layer in layers)
 
@@ -105,12 +126,14 @@ class RowParallelLinear(nn.Module):
     output of a column-parallel layer) and the partial products are summed over TP (or
     reduce-scattered along the sequence with sequence parallelism). The bias is added once, after
     the reduction. ``lora`` (``parallel.lora.RowLoRA``, or None): its partial sum joins the
-    layer's before the one reduction."""
+    layer's before the one reduction. ``tp_comm_overlap``: under sequence parallelism, the
+    reduce-scatter overlapped with the matmul."""
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, device=None):
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_group, self.sequence_parallel, self.tp_comm_overlap = tp_group, sequence_parallel, tp_comm_overlap
         self.in_features, self.out_features = in_features, out_features
         local_in = _shard(in_features, C.group_size(tp_group), "in_features")
         self.weight = tp_param((out_features, local_in), dtype, device, 1)
@@ -118,6 +141,9 @@ class RowParallelLinear(nn.Module):
         self.lora: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _overlapped(self):
+            y = collective_matmul.linear_reduce_scatter(x, self.weight, self.tp_group)
+            return y if self.bias is None else y + self.bias
         y = add_adapter(F.linear(x, self.weight), self.lora, x)
         y = M.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else M.reduce_from_tp(y, self.tp_group)
         return y if self.bias is None else y + self.bias
