@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_hydra.config import architecture
+from megatron_hydra.config.compile import check_compile
 from megatron_hydra.config.inference import check_inference
 from megatron_hydra.config.moe import moe_spec
 from megatron_hydra.config.observability import check_observability
@@ -542,6 +543,7 @@ def derive(cfg: RunConfig) -> Derived:
         if cfg.mode != "plan":  # a plan still shows the layout; its table repeats this error as a note
             raise
     _check_recompute(cfg, layers)
+    check_compile(cfg)
     _check_arch(cfg, pp)
     _check_gpu_switches(cfg, tp, kv_channels, ffn)
     _check_tp_comm_overlap(cfg)

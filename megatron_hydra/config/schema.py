@@ -172,7 +172,8 @@ class ParallelConfig:
     # Megatron's overlap_grad_reduce (docs/parallelism.md): each gradient bucket's all-reduce
     # (reduce-scatter with the distributed optimizer) starts as soon as every gradient in it is final,
     # per pipeline stage and virtual chunk, behind the backward still running; false: every bucket
-    # is reduced after the whole backward.
+    # is reduced after the whole backward. FSDP (data_parallel=fsdp) reduce-scatters by its own
+    # schedule either way.
     overlap_grad_reduce: bool = True
     # Megatron's overlap_param_gather: with the distributed optimizer, the updated parameters are
     # all-gathered bucket by bucket in the order the next forward reads them, each module waiting only
@@ -457,9 +458,14 @@ class TrainerConfig:
     # csv/metrics.csv) on every rank into <run_dir>/profile/rank<r>.json; null: no profiling.
     profile_steps: Optional[List[int]] = None
     # torch.compile of each transformer block (regional compilation, as torchtitan does: one
-    # compiled graph reused by every layer of a shape), with recompute, pipeline, tensor/sequence and
-    # context parallelism; off by default (docs/performance.md).
+    # compiled graph reused by every layer of a shape), with full recompute, pipeline, tensor/sequence
+    # and context parallelism (not with selective recompute, MoE, BERT/T5 or Transformer Engine
+    # layers); training only, evaluation and generation run eagerly; off by default
+    # (docs/performance.md).
     compile: bool = False
+    # What torch.compile lowers each block with: inductor (generated kernels), aot_eager (traces
+    # and partitions the graph, runs torch's own kernels: no code generation), eager (tracing only).
+    compile_backend: str = one_of("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -535,6 +541,9 @@ class VerifyConfig:
     max_ranks: int = 8
     # Also write the verdict as JSON to this file (launch.py's --json writes it to stdout).
     output: Optional[str] = None
+    # The checks to run: exact (the shrunk job at its layout against one process), fits (the
+    # full-size dry run against a GPU's memory), resume (step K resumed at another layout).
+    checks: List[str] = field(default_factory=lambda: ["exact", "fits", "resume"])
 
 
 @dataclass

@@ -57,6 +57,7 @@ from megatron_hydra.parallel.pipeline import Pipeline
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.flops import model_flops_per_step
 from megatron_hydra.planning.peak import device_peak_tflops
+from megatron_hydra.training.compile import compile_for_training
 from megatron_hydra.training.dpo import METRICS as DPO_METRICS
 from megatron_hydra.training.dpo import REFERENCE, DPOLoss, Reference
 from megatron_hydra.training.guard import FiniteGuard
@@ -105,6 +106,7 @@ class LMModule(pl.LightningModule):
             self.model = torch.nn.ModuleList(chunks)
         else:
             self.model = build_model(cfg, derived, ps, device)
+        self.compile_clock = compile_for_training(cfg, self.model, ps.rank == 0)  # trainer.compile
         self.flops_per_step = model_flops_per_step(tcfg, derived.global_batch_size, cfg.objective.name == "dpo")
         self.tokens_per_step = derived.global_batch_size * tcfg.seq_length
         # Throughput window: when it started (None: at the next step) and the steps it holds.
@@ -233,7 +235,11 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
         step = self.trainer.global_step
+        if self.compile_clock is not None:
+            self.compile_clock.start()
         result = self.train_step(batch, step)
+        if self.compile_clock is not None:
+            self.compile_clock.stop()
         self.consumed_samples += self.derived.global_batch_size
         self._window_steps += 1
         if host_sync_step(step, self.cfg):
@@ -372,4 +378,5 @@ class LMModule(pl.LightningModule):
         return MegatronOptimizer(self.model, grad_buffer, self.ps, lr=o.lr,
                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
                                  clip_grad=o.clip_grad, scaler=self.loss_scaler, impl=o.impl, muon=muon,
-                                 adam_lr=o.muon_adam_lr if muon is not None else None)
+                                 adam_lr=o.muon_adam_lr if muon is not None else None,
+                                 overlap_param_gather=self.cfg.parallel.overlap_param_gather)
