@@ -28,6 +28,7 @@ register_configs()
 _CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # hydra.main's config_path
 _jobs: List[str] = []  # run dirs of this process's multirun jobs
 _failed: List[str] = []  # ...and of those that failed
+_json_stdout = False  # --json: mode=verify prints its verdict as JSON (taken out of argv before Hydra)
 
 
 def _check_sweep_objective(run_cfg) -> None:
@@ -81,6 +82,11 @@ def main(cfg: DictConfig) -> Optional[float]:
         print(f"error: {_omegaconf_error_line(e)}", file=sys.stderr)
         sys.exit(2)
     try:
+        if run_cfg.mode == "verify":  # above the launcher: it starts its runs through it
+            from megatron_hydra.verify import verify_job
+
+            verify_job(run_cfg, json_stdout=_json_stdout)
+            return None
         # The final validation loss: the objective a sweeper (hydra/sweeper=optuna) minimises.
         return run(run_cfg)
     except Interrupted as e:  # the user stopped the run: in a sweep, the sweep too
@@ -154,6 +160,10 @@ def cli() -> int:
     cannot create, an unknown option of a config group, a comma list without ``-m``) as one line,
     exit status 2. HYDRA_FULL_ERROR=1 makes Hydra raise instead of printing a traceback; set by
     the user, it keeps every traceback."""
+    global _json_stdout
+    if "--json" in sys.argv[1:]:
+        sys.argv.remove("--json")
+        _json_stdout = True
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

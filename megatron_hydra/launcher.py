@@ -506,6 +506,8 @@ def _run(cfg: RunConfig) -> Optional[float]:
                               "trains with (e.g. data.global_batch_size=1536)")
         run_planner(cfg)  # plans for cfg.cluster, not for this config's own layout
         return None
+    if cfg.mode == "verify":  # verify sits above the launcher and starts its runs through it
+        raise ConfigError("mode=verify runs from launch.py: call megatron_hydra.verify.verify_job, not launcher.run")
     if cfg.mode in ("generate", "evaluate") and cfg.peft.adapter is not None:
         from megatron_hydra.checkpoint.adapters import adopt
 

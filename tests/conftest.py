@@ -43,7 +43,7 @@ CONF = ROOT / "conf"
 # filling in behind them, both workers end at about the same time. xdist itself would hand out the
 # files with the most tests first, which left the few long launch tests for the end of one worker.
 LONG_FILES = ("test_kill.py", "test_training_eval.py", "test_generate_cli.py", "test_model_presets.py", "test_hf_families.py", "test_dry_run.py", "test_launcher.py", "test_cluster_launch.py", "test_launcher_trust.py",
-              "test_checkpoint_errors.py", "test_lora_checkpoint.py", "test_dpo.py", "test_hf_lora.py", "test_dry_run_fit.py", "test_trust_interrupt.py", "test_distributed_optimizer.py",
+              "test_checkpoint_errors.py", "test_lora_checkpoint.py", "test_dpo.py", "test_hf_lora.py", "test_dry_run_fit.py", "test_verify.py", "test_trust_interrupt.py", "test_distributed_optimizer.py",
               "test_tensor_parallel_model.py", "test_moe_model.py", "test_memory_plan.py", "test_context_parallel_model.py", "test_pipeline_parallel.py",
               "test_config.py", "test_memory_plan_archs.py", "test_checkpoint_resume.py", "test_planner.py",
               "test_mixed_precision.py", "test_bert_t5_data.py", "test_fsdp.py", "test_docs_commands.py",

@@ -28,6 +28,7 @@ LEVELS = {
     "training": 8,
     "launcher": 9,
     "generate": 10, "evaluate": 10, "migrate": 10,  # command lines (the first two start jobs through the launcher)
+    "verify": 10,  # mode=verify: the job shrunk and run through the launcher, its dry run, the verdict
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 from megatron_hydra.config import RunConfig
 from megatron_hydra.errors import ConfigError, MegatronHydraError, one_line
@@ -61,39 +61,12 @@ def run_check(cfg: RunConfig, ranks: Optional[List[int]]) -> None:
     plan = copy.deepcopy(cfg)
     plan.mode = "plan"
     run(plan)
-    dry, changed = dry_run_config(cfg, ranks)
+    from megatron_hydra.training.dry_run import stand_in_config
+
+    dry, changed = stand_in_config(cfg, ranks or [0])
     for line in changed:
         print(f"note: {line}")
     run(dry)
-
-
-def dry_run_config(cfg: RunConfig, ranks: Optional[List[int]]) -> Tuple[RunConfig, List[str]]:
-    """The config the dry run checks: what only a GPU runs is swapped for its CPU stand-in (the
-    same shapes and bytes), each swap said."""
-    from megatron_hydra.config.derive import default_global_batch_size, derive
-
-    dry = copy.deepcopy(cfg)
-    dry.mode = "dry_run"
-    dry.dry_run.ranks = list(ranks) if ranks else [0]
-    changed = []
-    derived = derive(cfg)
-    short = default_global_batch_size(cfg.data.micro_batch_size, derived.dp, derived.pp)
-    if derived.global_batch_size > short:
-        dry.data.global_batch_size = short
-        changed.append(f"the dry run steps data.global_batch_size={short} ({derived.pp} micro-batches per "
-                       f"data-parallel rank, not {derived.num_microbatches}, for time); mode=plan above is the "
-                       "full step's")
-    if dry.model.transformer_impl != "local":
-        dry.model.transformer_impl = "local"
-        changed.append("the dry run runs model.transformer_impl=local (Transformer Engine's kernels need a GPU)")
-        if dry.precision.fp8 is not None:
-            dry.precision.fp8 = None
-            changed.append("...and bf16 without FP8 (FP8 is Transformer Engine's)")
-    if dry.recompute.granularity and dry.model.attention_dropout:
-        dry.model.attention_dropout = 0.0
-        changed.append("the dry run sets model.attention_dropout=0 (dropout under recompute aborts on its stand-in "
-                       "device; no shape or byte changes)")
-    return dry, changed
 
 
 def _get(cfg: Any, key: str) -> Any:

@@ -433,6 +433,36 @@ def check_fits(derived: Derived, results: List[RankResult], device: DeviceMemory
         f"the memory plan suggests {'; or '.join(suggestions)} (trainer.device_memory_gb overrides the device size)")
 
 
+def stand_in_config(cfg: RunConfig, ranks: Optional[Sequence[int]] = None) -> tuple:
+    """``(config, notes)``: the job as the dry run steps it, what only a GPU runs swapped for its
+    CPU stand-in (the same shapes and bytes), each swap said in a note: one micro-batch per
+    pipeline stage (the same peak; the plan's columns are the full step's), the local layers for
+    Transformer Engine's (and bf16 for FP8), no attention dropout under recompute (its replay aborts
+    on the stand-in device). ``ranks``: the ranks to step; None: the distinct positions."""
+    from megatron_hydra.config.derive import default_global_batch_size, derive
+
+    dry, notes = copy.deepcopy(cfg), []
+    dry.mode = "dry_run"
+    dry.dry_run.ranks = list(ranks) if ranks else None
+    derived = derive(cfg)
+    short = default_global_batch_size(cfg.data.micro_batch_size, derived.dp, derived.pp)
+    if derived.global_batch_size > short:
+        dry.data.global_batch_size = short
+        notes.append(f"the dry run steps data.global_batch_size={short} ({derived.pp} micro-batches per "
+                     f"data-parallel rank, not {derived.num_microbatches}, for time); the plan is the full step's")
+    if dry.model.transformer_impl != "local":
+        dry.model.transformer_impl = "local"
+        notes.append("the dry run runs model.transformer_impl=local (Transformer Engine's kernels need a GPU)")
+        if dry.precision.fp8 is not None:
+            dry.precision.fp8 = None
+            notes.append("...and bf16 without FP8 (FP8 is Transformer Engine's)")
+    if dry.recompute.granularity and dry.model.attention_dropout:
+        dry.model.attention_dropout = 0.0
+        notes.append("the dry run sets model.attention_dropout=0 (dropout under recompute aborts on its stand-in "
+                     "device; no shape or byte changes)")
+    return dry, notes
+
+
 def run_dry_run(cfg: RunConfig, derived: Derived) -> List[RankResult]:
     """``mode=dry_run``: simulate, print the table, return the results; a ConfigError after the
     table when a rank needs more than a device has (``check_fits``)."""
