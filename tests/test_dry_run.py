@@ -35,9 +35,10 @@ def _within_plan(result: D.RankResult, tolerance: float = 0.10) -> None:
 
 
 # Full-size layers, ranks and micro-batches; fewer layers per stage than the real models (the plan
-# and the step grow linearly with them, and each costs seconds of fake-tensor work).
+# and the step grow linearly with them, and each costs seconds of fake-tensor work): one a stage
+# at pp16, whose 16 micro-batches each pass through it.
 @pytest.mark.parametrize("overrides,rank", [
-    (("model=gpt_175b", "model.num_layers=32", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=128",
+    (("model=gpt_175b", "model.num_layers=16", "parallel=tp8_pp16", "trainer.devices=8", "trainer.num_nodes=128",
       "data.micro_batch_size=1", "data.global_batch_size=128"), 520),  # a middle stage: 1024 ranks, dp 8
     (("model=llama3_70b", "model.num_layers=8", "parallel=tp8_pp4", "trainer.devices=8", "trainer.num_nodes=8",
       "data.micro_batch_size=1", "data.global_batch_size=8"), 63),  # the last stage, last tp rank: dp 2
@@ -104,7 +105,7 @@ def test_moe_activations_per_layer_match_the_plan(layout):
     from megatron_hydra.planning.moe import layer_delta_bytes
 
     peaks = {}
-    for layers in (2, 3):
+    for layers in (1, 2):
         cfg, derived = _cfg("model=moe_tiny", "trainer.devices=4", "parallel=tp2", *layout,
                             "model.moe.shared_ffn_hidden_size=512",
                             "data.micro_batch_size=1", "data.global_batch_size=2", f"model.num_layers={layers}",
@@ -112,7 +113,7 @@ def test_moe_activations_per_layer_match_the_plan(layout):
                             "model.seq_length=512", "model.vocab_size=256", "mode=dry_run")
         (result,) = D.dry_run(cfg, derived, [0])
         peaks[layers] = result.peak_bytes - result.static_bytes
-    measured = peaks[3] - peaks[2]
+    measured = peaks[2] - peaks[1]
     layer = _layer_shape(cfg, derived)
     shape = {**layer, "ep": derived.ep, "whole_experts": derived.etp is not None}
     planned = activation_bytes_per_layer(**layer) + layer_delta_bytes(derived.transformer, shape)
@@ -169,7 +170,7 @@ def test_host_reads_of_device_values_are_counted():
 def test_dry_run_in_its_own_process_equals_in_process(monkeypatch):
     """Where this process could use a real accelerator, the ranks are simulated in a fresh process
     (forced here): the same bytes and host reads as in this one."""
-    cfg, derived = _cfg("parallel=tp2", "trainer.devices=2", "precision=bf16")
+    cfg, derived = _cfg("parallel=tp2", "trainer.devices=2", "precision=bf16", "model.num_layers=1")
     here = D.dry_run(cfg, derived, [1])
     monkeypatch.setattr(fake_gpu, "registered", lambda: False)
     started, spawn = [], D._in_own_process
@@ -280,13 +281,13 @@ def test_activations_per_layer_match_the_analytic_formula(form):
     from megatron_hydra.planning.memory import _layer_shape
 
     peaks = {}
-    for layers in (2, 3):
+    for layers in (1, 2):
         cfg, derived = _cfg("trainer.devices=1", "data.micro_batch_size=1", "data.global_batch_size=1",
                             f"model.num_layers={layers}", "precision=bf16", "model.hidden_size=512",
                             "model.num_attention_heads=8", "model.seq_length=512", "model.vocab_size=256", *form)
         (result,) = D.dry_run(cfg, derived, [0])
         peaks[layers] = result.peak_bytes - result.static_bytes
-    measured = peaks[3] - peaks[2]
+    measured = peaks[2] - peaks[1]
     shape, recompute = _layer_shape(cfg, derived), cfg.recompute.granularity
     planned = activation_bytes_per_layer(**shape, recompute=recompute) + layer_bytes(derived.transformer, shape, recompute)
     assert measured == pytest.approx(planned, rel=0.01)

@@ -1,10 +1,11 @@
 """Launcher refusals and failure reports (issue: trust): unknown keys, bad YAML, unwritable or
 busy directories, too many local workers, blaming the right rank, sweeps that outlive a failed job.
 
-The refusals that end ``launch.py`` before any worker starts run it in this process
-(``conftest.launch_py``: its own ``__main__`` block, Hydra's parsing and exit status); the same
-one-line error from a fresh interpreter is test_config.py's ``launch.py`` test. Runs that start
-workers (a failing rank, a directory in use, a sweep) are separate processes here."""
+The refusals that end ``launch.py`` before any worker starts, and a sweep of one-process jobs
+(which train in the launcher's own process), run it in this process (``conftest.launch_py``: its
+own ``__main__`` block, Hydra's parsing and exit status); the same one-line error from a fresh
+interpreter is test_config.py's ``launch.py`` test. Runs that start workers (a failing rank, a
+directory in use) are separate processes here."""
 
 from __future__ import annotations
 
@@ -176,10 +177,10 @@ def test_failing_worker_stops_the_run_quickly_and_stale_error_files_are_not_blam
     assert "EARLIER-RUN-MARKER" not in out.stderr and not (run_dir / "rank3.error").exists()
 
 
-def test_failed_multirun_job_is_recorded_and_the_sweep_goes_on(tmp_path, env_no_launcher):
+def test_failed_multirun_job_is_recorded_and_the_sweep_goes_on(tmp_path, env_no_launcher, capsys):
     # Job 0 is a user error (7 heads do not divide hidden size 64); job 1 must still run.
-    out = _run(launch_cmd("-m", *SMALL, "trainer.max_steps=2", "model.num_attention_heads=7,4",
-                          f"hydra.sweep.dir={tmp_path}"), env_no_launcher)
+    out = _launch_in_process(["-m", *SMALL, "trainer.max_steps=2", "model.num_attention_heads=7,4",
+                              f"hydra.sweep.dir={tmp_path}"], env_no_launcher, capsys)
     assert out.returncode == 1, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2, out.stderr[-3000:]
