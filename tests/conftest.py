@@ -49,7 +49,8 @@ LONG_FILES = ("test_kill.py", "test_training_eval.py", "test_generate_cli.py", "
               "test_mixed_precision.py", "test_bert_t5_data.py", "test_fsdp.py", "test_docs_commands.py",
               "test_checkpoint_sharded.py", "test_checkpoint_async.py", "test_parallel_state.py",
               "test_document_masks.py", "test_data_parallel.py", "test_bert.py", "test_t5.py", "test_observability.py",
-              "test_recompute.py", "test_layering.py", "test_expert_gradients.py")
+              "test_recompute.py", "test_layering.py", "test_expert_gradients.py", "test_compile.py",
+              "test_dp_overlap.py", "test_muon.py", "test_tp_overlap.py")
 
 
 def pytest_configure(config):

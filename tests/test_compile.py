@@ -4,8 +4,9 @@ full recompute and cp2; one graph serves every layer; evaluation and generation 
 it cannot compile is refused in one line. The one-process runs use the ``aot_eager`` backend
 (dynamo's trace and AOT autograd's forward/backward partition, torch's own kernels); the layouts,
 whose difference is where dynamo breaks the graph around collectives, use the ``eager`` backend
-(dynamo's trace alone), since every compile costs seconds of CPU. One small forward runs inductor's
-generated code."""
+(dynamo's trace alone), since every compile costs seconds of CPU. Inductor's generated code (a
+C++ compile per kernel, seconds each here) is held to eager by ``benchmarks/compile.py``, which
+prints its largest loss difference."""
 
 from __future__ import annotations
 
@@ -138,27 +139,6 @@ def test_recompute_frees_compiled_blocks():
     recompute = ["recompute.granularity=full", "recompute.num_layers=1"]
     eager = _saved_bytes(recompute)
     assert _saved_bytes(recompute, "aot_eager") == eager < _saved_bytes([])
-
-
-def test_inductor_block_equals_eager():
-    """One small block's forward through inductor's generated code equals eager's at 1e-9 (float64);
-    the forward alone, since every generated kernel is a C++ compile."""
-    from megatron_hydra.config import derive
-    from megatron_hydra.models.compile import compile_blocks
-    from megatron_hydra.models.stages import build_model
-    from megatron_hydra.parallel.state import ParallelState
-
-    torch.compiler.reset()
-    cfg = compose_config([*BASE, "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
-                          "model.num_query_groups=1"])
-    model = build_model(cfg, derive(cfg), ParallelState.single(), "cpu").train()
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):  # no pool of compile workers to start
-        want = model(tokens, tokens)
-        blocks = compile_blocks(model, "inductor")
-        got = model(tokens, tokens)
-    assert blocks.calls == 1
-    torch.testing.assert_close(got, want, rtol=TOL, atol=0)
 
 
 def test_evaluation_and_generation_run_eagerly():

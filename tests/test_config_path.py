@@ -153,7 +153,7 @@ KEYS_WITH_CHOICES = {
     "precision.params_dtype", "precision.fp8.recipe", "precision.fp8.format", "precision.fp8.amax_compute_algo",
     "recompute.granularity", "recompute.method", "data.name", "data.tokenizer.type", "optim.name",
     "optim.lr_schedule", "optim.impl", "trainer.accelerator", "checkpoint.resume", "mode", "model.rope_scaling.type",
-    "peft.name", "objective.name",
+    "peft.name", "objective.name", "trainer.compile_backend",
 }
 # What makes the optional nodes exist, so that their keys are checked.
 NODE_PRESETS = {"model.moe": ["model=moe_tiny"], "model.rope_scaling": ["model=llama3.1_8b"], "precision.fp8": ["precision=fp8",
