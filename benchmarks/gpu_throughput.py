@@ -29,7 +29,7 @@ WARMUP = 5
 VARIANTS = {"local": ("local", []), "local compiled": ("local", ["trainer.compile=true"]),
             "transformer_engine": ("transformer_engine", [])}
 COLD = re.compile(r"compiled \d+ blocks \(\w+\) in ([0-9.]+) s")
-RUN_TIMEOUT_S = 200  # a compile that takes longer is reported, not waited for
+RUN_TIMEOUT_S = 150  # a compile that takes longer is reported, not waited for
 
 
 def run(model: str, steps: int, impl: str, run_dir: str, extra=()) -> dict:

@@ -44,7 +44,6 @@ the 4-rank rows from a machine with >= 4 free cores. Prints a table, asserts not
 from __future__ import annotations
 
 import contextlib
-import inspect
 import statistics
 import sys
 import time
@@ -163,14 +162,13 @@ class _TimedWork:
 
 
 def _strategy(cfg, ps):
-    """The strategy as training builds it; the overlap switches it takes are passed from the config."""
+    """The strategy as training builds it (``training.train``), its overlap switch from the config."""
     from megatron_hydra.training.strategy import MegatronStrategy
 
-    accepted = inspect.signature(MegatronStrategy).parameters
-    switches = {k: getattr(cfg.parallel, k) for k in ("overlap_grad_reduce", "overlap_param_gather") if k in accepted}
     return MegatronStrategy(ps, torch.device("cpu"), grad_bucket_size=cfg.parallel.grad_bucket_size,
                             distributed_optimizer=cfg.optim.distributed_optimizer,
-                            data_parallel=cfg.parallel.data_parallel, **switches)
+                            data_parallel=cfg.parallel.data_parallel,
+                            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
 
 
 def _batch(samples: int, seq: int) -> dict:
