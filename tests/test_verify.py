@@ -131,3 +131,51 @@ def test_job_that_does_not_fit_names_the_plans_fixes(tmp_path, env_no_launcher, 
     assert not verdict["passed"] and fits["name"] == "fits" and fits["passed"] is False
     assert "do NOT fit" in verdict["fit_table"] and "the memory plan suggests" in fits["detail"]
     assert "checks failed: fits" in err and math.isfinite(fits["seconds"])
+
+
+RECOMPUTE = [  # valid at the job's size; the shrunk stage has 2 layers
+    (["recompute.method=block", "recompute.num_layers=4"], 2, ["recompute.num_layers 4 -> 2"]),
+    (["recompute.method=uniform", "recompute.num_layers=4"], 2, ["recompute.num_layers 4 -> 2"]),
+    (["recompute.method=uniform", "recompute.num_layers=3", "parallel.layers_per_stage=[30,42]"], 2,
+     ["parallel.layers_per_stage=[30, 42] -> null", "recompute.num_layers 3 -> 2"]),
+    (["recompute.method=block", "recompute.num_layers=1"], 1, []),
+]
+
+
+@pytest.mark.parametrize("overrides,layers,notes", RECOMPUTE, ids=[" ".join(o) for o, _, _ in RECOMPUTE])
+def test_recompute_layers_are_clamped_to_the_shrunk_stage(overrides, layers, notes):
+    from megatron_hydra.config import derive
+    from megatron_hydra.verify.shrink import shrink
+
+    job = compose_config(["model=gpt_8b", "parallel=tp4_pp2", "recompute.granularity=full", *overrides])
+    s = shrink(job, derive(job), "unused")
+    assert s.cfg.recompute.num_layers == layers and s.derived.layers_per_stage == (2, 2)
+    assert s.cfg.recompute.method == job.recompute.method and s.cfg.recompute.granularity == "full"
+    for note in notes:
+        assert any(r.startswith(note) for r in s.reduced), (note, s.reduced)
+    assert not notes or len([r for r in s.reduced if r.startswith(("recompute", "parallel"))]) == len(notes)
+
+
+def test_a_nan_loss_fails_the_check():
+    from megatron_hydra.verify import _compared
+    from megatron_hydra.verify.compare import compare_metrics
+
+    ref = {1: {"loss": 2.0, "grad_norm": 1.0}}
+    diff = compare_metrics({1: {"loss": math.nan, "grad_norm": 1.0}}, ref, [1], 1e-9)
+    assert math.isnan(diff.largest) and "loss nan vs 2.0" in diff.first
+    assert _compared(diff, 1e-9, "compared").passed is False
+    assert _compared(compare_metrics(ref, ref, [1], 1e-9), 1e-9, "compared").passed
+
+
+def test_fits_alone_does_not_shrink_a_transformer_engine_job(tmp_path):
+    """verify.checks=[fits] runs the full-size job's dry run, which swaps in the local layers
+    itself: shrinking (which refuses Transformer Engine) is for exact and resume only."""
+    from megatron_hydra import verify
+    from megatron_hydra.config import derive
+    from megatron_hydra.verify.report import Check
+
+    cfg = compose_config(["model.transformer_impl=transformer_engine", "trainer=gpu", "mode=verify",
+                          "verify.checks=[fits]"], str(tmp_path))
+    with mock.patch.object(verify, "_fits", lambda verdict, job: Check("", True, None, detail="fits")):
+        verdict = verify._run_checks(cfg, derive(cfg), str(tmp_path / "verify"))
+    assert verdict.passed and [c.name for c in verdict.checks] == ["fits"] and verdict.reduced == []

@@ -126,7 +126,7 @@ def _tensor_file_bytes(path: str, metadata) -> int:
     return total
 
 
-def _stored(path: str, metadata, key: str) -> Optional[Tuple[List[int], torch.dtype]]:
+def stored_entry(path: str, metadata, key: str) -> Optional[Tuple[List[int], torch.dtype]]:
     """The shape and dtype DCP's metadata records for ``key`` (``None`` when it has no such entry),
     checked to be a shape and a dtype: the file is anyone's."""
     md = metadata.state_dict_metadata.get(key)
@@ -157,7 +157,8 @@ def check_before_building(path: str, derived: Derived, select: Optional[str] = N
     check_shapes(path, recorded, expected, True, False, select=select, key=key)
     metadata = read_metadata(path)
     # Each tensor in the dtype it was saved in (an import keeps its source's), which loading casts.
-    needed = sum(math.prod(shape) * (_stored(path, metadata, f"model/{name}") or ([], tcfg.params_dtype))[1].itemsize
+    needed = sum(math.prod(shape)
+                 * (stored_entry(path, metadata, f"model/{name}") or ([], tcfg.params_dtype))[1].itemsize
                  for name, shape in expected.items())
     held = _tensor_file_bytes(path, metadata)
     if held < needed:
@@ -211,7 +212,7 @@ def tensor_sources(path: str, shapes: Mapping[str, Sequence[int]],
     out = {}
     for name, shape in shapes.items():
         key = f"main/{name}" if main and f"main/{name}" in metadata.state_dict_metadata else f"model/{name}"
-        found = _stored(path, metadata, key)
+        found = stored_entry(path, metadata, key)
         if found is None or found[0] != list(shape):
             raise CheckpointError(f"{path}: tensor {key} is {found[0] if found else 'missing'} in its "
                                   f"{store.DCP_METADATA} but {list(shape)} in {store.META}: the checkpoint is damaged "

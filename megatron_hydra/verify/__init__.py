@@ -89,9 +89,16 @@ def _run_checks(cfg: RunConfig, derived: Derived, root: str) -> Verdict:
     from megatron_hydra.verify.shrink import shrink
 
     v = cfg.verify
+    layout = f"{describe(derived)} ({derived.world_size} ranks)"
+    if "exact" not in v.checks and "resume" not in v.checks:
+        # fits alone runs the full-size job (its dry run swaps what it must, e.g. Transformer
+        # Engine): shrinking, and what it refuses, is for the float64 runs only.
+        verdict = Verdict(cfg.model.name, layout, "not shrunk (fits runs the full-size job)")
+        verdict.checks.append(_timed("fits", lambda: _fits(verdict, cfg)))
+        return verdict
     shrunk = shrink(cfg, derived, os.path.join(root, "layout"))
     m = shrunk.cfg.model
-    verdict = Verdict(cfg.model.name, f"{describe(derived)} ({derived.world_size} ranks)", f"{layout_name(shrunk.cfg)}, {m.num_layers} layers, "
+    verdict = Verdict(cfg.model.name, layout, f"{layout_name(shrunk.cfg)}, {m.num_layers} layers, "
                       f"hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, float64, "
                       f"{v.steps} steps", shrunk.reduced)
     if "fits" in v.checks:
@@ -100,18 +107,21 @@ def _run_checks(cfg: RunConfig, derived: Derived, root: str) -> Verdict:
     return verdict
 
 
+def _compared(diff, tolerance: float, what: str) -> Check:
+    """A comparing check's row: passed only where ``diff.passes`` (a NaN loss or weight fails)."""
+    return Check("", diff.passes(tolerance), diff.largest, detail=diff.first or what)
+
+
 def _layout_checks(verdict: Verdict, shrunk, root: str, v) -> None:
     from megatron_hydra.verify import exact as ex
 
-    if "exact" not in v.checks and "resume" not in v.checks:
-        return
     extra = 1 if "resume" in v.checks else 0
     state = {}
 
     def run_exact() -> Check:
         diff, state["layout"] = ex.exact(shrunk, root, v.steps, v.tolerance, extra, "exact" in v.checks)
         what = f"losses, grad norms and weights of {v.steps} steps against one process"
-        return Check("", diff.largest <= v.tolerance, diff.largest, detail=diff.first or what)
+        return _compared(diff, v.tolerance, what)
 
     exact = _timed("exact", run_exact)
     if "exact" in v.checks:
@@ -123,8 +133,7 @@ def _layout_checks(verdict: Verdict, shrunk, root: str, v) -> None:
             diff, where = ex.resume(shrunk, state["layout"], root, v.steps, v.tolerance, v.max_ranks)
             if diff is None:
                 return Check("", None, None, detail=f"skipped: {where}")
-            return Check("", diff.largest <= v.tolerance, diff.largest,
-                         detail=diff.first or f"step {v.steps} resumed at {where}, step {v.steps + 1} compared")
+            return _compared(diff, v.tolerance, f"step {v.steps} resumed at {where}, step {v.steps + 1} compared")
         verdict.checks.append(_timed("resume", run_resume))
 
 

@@ -5,6 +5,7 @@ process), as the largest relative difference and the first step and tensor beyon
 from __future__ import annotations
 
 import csv
+import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -26,9 +27,16 @@ class Difference:
     first_tensor: Optional[str] = None
 
     def add(self, other: "Difference") -> None:
-        self.largest = max(self.largest, other.largest)
+        # NaN kept: ``max(0.0, nan)`` is 0.0, which would turn a NaN loss into agreement.
+        nan = math.isnan(self.largest) or math.isnan(other.largest)
+        self.largest = math.nan if nan else max(self.largest, other.largest)
         self.first_metric = self.first_metric or other.first_metric
         self.first_tensor = self.first_tensor or other.first_tensor
+
+    def passes(self, tolerance: float) -> bool:
+        """Nothing beyond ``tolerance`` recorded and the largest finite: a NaN compares false with
+        everything, so ``largest <= tolerance`` alone cannot be the test."""
+        return self.first is None and math.isfinite(self.largest) and self.largest <= tolerance
 
     @property
     def first(self) -> Optional[str]:
@@ -57,18 +65,22 @@ def metrics(run_dir: str) -> Dict[int, Dict[str, float]]:
 
 
 def checkpoint(run_dir: str, step: int) -> str:
-    return os.path.join(run_dir, "checkpoints", f"step_{step:07d}")
+    """The step's checkpoint of a verify run (``shrink.retarget`` puts them in ``run_dir/checkpoints``),
+    named as the checkpoint store names it."""
+    from megatron_hydra.checkpoint.store import step_dir
+
+    return step_dir(os.path.join(run_dir, "checkpoints"), step)
 
 
 def weights(path: str) -> List[Tuple[str, torch.Tensor]]:
     """Every model tensor of the checkpoint at ``path``, whole, in the order it was saved (the
     model's)."""
     from megatron_hydra.checkpoint.safe_reader import read_metadata
-    from megatron_hydra.checkpoint.standalone import _stored, read_tensors
+    from megatron_hydra.checkpoint.standalone import read_tensors, stored_entry
 
     metadata = read_metadata(path)
     keys = [k for k in metadata.state_dict_metadata if k.startswith("model/")]
-    wanted = [(k, *_stored(path, metadata, k)) for k in keys]
+    wanted = [(k, *stored_entry(path, metadata, k)) for k in keys]
     return list(read_tensors(path, wanted))
 
 

@@ -46,7 +46,7 @@ class Verdict:
         out["passed"] = self.passed
         for c in out["checks"]:
             if c["largest"] is not None and not math.isfinite(c["largest"]):
-                c["largest"] = None if math.isnan(c["largest"]) else "inf"
+                c["largest"] = "nan" if math.isnan(c["largest"]) else "inf"  # JSON has neither
         return json.dumps(out, indent=2)
 
     def table(self) -> str:

@@ -30,7 +30,8 @@ class Shrunk:
 
 
 def check_verifiable(cfg: RunConfig) -> None:
-    """What verify cannot shrink, refused in one line before anything runs."""
+    """What verify cannot shrink, refused in one line before the float64 runs (exact, resume);
+    the fit check alone never shrinks the job, so these pass it."""
     if cfg.model.arch != "gpt":
         raise ConfigError(f"mode=verify trains the GPT family on synthetic tokens; model.arch={cfg.model.arch} trains "
                           "on sentence-split indexed data only: check it with mode=dry_run and its own tests")
@@ -71,11 +72,15 @@ def _seq(tp: int, cp: int, sequence_parallel: bool) -> int:
     return seq
 
 
-def _shrink_model(cfg: RunConfig, tp: int, pp: int, cp: int, vpp: int) -> None:
+def _shrink_model(cfg: RunConfig, tp: int, pp: int, cp: int, vpp: int, reduced: List[str]) -> None:
     m = cfg.model
     pattern = m.sliding_window_pattern if isinstance(m.sliding_window_pattern, int) else 1
     m.num_layers = math.lcm(2 * pp * vpp, max(1, pattern))
-    cfg.parallel.layers_per_stage = None
+    if cfg.parallel.layers_per_stage is not None:  # the job's split sums to its own layer count
+        reduced.append(f"parallel.layers_per_stage={list(cfg.parallel.layers_per_stage)} -> null (an even split of "
+                       f"the shrunk {m.num_layers} layers)")
+        cfg.parallel.layers_per_stage = None
+    _shrink_recompute(cfg, m.num_layers // (pp * vpp), reduced)
     heads, groups = _heads(cfg, tp, cp)
     m.num_attention_heads = heads
     m.num_query_groups = groups if m.num_query_groups is not None or groups != heads else None
@@ -98,6 +103,25 @@ def _shrink_model(cfg: RunConfig, tp: int, pp: int, cp: int, vpp: int) -> None:
         if not isinstance(m.moe.layer_freq, int):  # a per-layer list: its first layers (dense ones first)
             freq = list(m.moe.layer_freq)
             m.moe.layer_freq = [freq[min(i, len(freq) - 1)] for i in range(m.num_layers)]
+
+
+def _shrink_recompute(cfg: RunConfig, per_stage: int, reduced: List[str]) -> None:
+    """``recompute.num_layers`` counts layers of a stage (chunk): a job's valid count may exceed the
+    shrunk stage's ``per_stage`` layers (block) or not divide them (uniform). Clamped to the most
+    that still recompute (block: all of the stage; uniform: the largest chunk that divides it), so
+    the recompute path runs rather than the shrink failing."""
+    rc = cfg.recompute
+    if rc.granularity != "full":
+        return
+    n = rc.num_layers
+    if rc.method == "block":
+        n = min(n, per_stage)
+    else:
+        n = max(c for c in range(1, min(n, per_stage) + 1) if per_stage % c == 0)
+    if n != rc.num_layers:
+        reduced.append(f"recompute.num_layers {rc.num_layers} -> {n} (recompute.method={rc.method} on the shrunk "
+                       f"{per_stage} layers per stage)")
+        rc.num_layers = n
 
 
 def _shrink_run(cfg: RunConfig, world: int, steps: int, run_dir: str) -> None:
@@ -149,7 +173,7 @@ def shrink(job: RunConfig, job_derived: Derived, run_dir: str, steps: Optional[i
         cfg.parallel.virtual_pipeline_size, vpp = None, 1
         if cfg.parallel.pipeline_schedule != "1f1b":
             cfg.parallel.pipeline_schedule = "1f1b"
-    _shrink_model(cfg, tp, new_pp, cp, vpp)
+    _shrink_model(cfg, tp, new_pp, cp, vpp, reduced)
     _shrink_run(cfg, tp * new_pp * cp * dp, job.verify.steps if steps is None else steps, run_dir)
     try:
         derived = derive(cfg)
