@@ -76,11 +76,29 @@ def distributed_layouts(rank, world, ckpt_dir):
         if name == "dp4":
             save(ckpt_dir, module.model, opt, ps, module.derived.transformer.vocab_size,
                  {"step": STEPS, "consumed_samples": 0, "shapes": {}}, rng_states=False)
+            results["from_adamw"] = from_adamw(overrides, ps, f"{ckpt_dir}_adamw")
         elif name == "tp2_dp2":  # the dp4 checkpoint at tp2 x dp2, distributed too
             module, _, opt = build(overrides, ps)
             load(ckpt_dir, module.model, opt, ps, module.derived.transformer.vocab_size)
             results["resumed"] = {"state": snapshot(entries(module.model), opt, ps), "tp_rank": ps.tp_rank}
     return results
+
+
+def from_adamw(overrides, ps, ckpt_dir):
+    """A one-step AdamW checkpoint loaded by Muon under the distributed optimizer: each Muon
+    matrix's step count and each other parameter's on this rank."""
+    from megatron_hydra.checkpoint.sharded import load, save
+
+    module, _, opt = build([*overrides, "optim=adamw"], ps)
+    run(module, opt, ps, 1)
+    save(ckpt_dir, module.model, opt, ps, module.derived.transformer.vocab_size,
+         {"step": 1, "consumed_samples": 0, "shapes": {}}, rng_states=False)
+    module, _, opt = build(overrides, ps)
+    load(ckpt_dir, module.model, opt, ps, module.derived.transformer.vocab_size)
+    muon = {name: int(opt.muon.step_of(p)) for name, p in module.model.named_parameters() if p in opt.muon.owner}
+    adam = {id(pc.param): int(opt.inner.state[pc.main]["step"]) for pc in opt.pieces if pc.main in opt.inner.state}
+    named = {name: adam[id(p)] for name, p in module.model.named_parameters() if id(p) in adam}
+    return {"muon": muon, "adam": named}
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +201,14 @@ def test_checkpoint_resumes_bitwise_at_another_layout(ranks):
     for e in es:
         if not e.copy:
             torch.testing.assert_close(e.param, ref.p[e.name], rtol=0, atol=1e-9, msg=e.name)
+
+
+def test_adamw_checkpoint_starts_every_muon_step_count_at_zero(ranks):
+    """AdamW -> Muon with the distributed optimizer: every rank, owner or not, starts each Muon
+    matrix's step count at zero (the checkpoint has no momentum for it) and keeps AdamW's for
+    the rest, so the ranks' step counts agree."""
+    results, _ = ranks
+    for r, res in results.items():
+        switched = res["from_adamw"]
+        assert switched["muon"] and set(switched["muon"].values()) == {0}, r
+        assert switched["adam"] and set(switched["adam"].values()) == {1}, r

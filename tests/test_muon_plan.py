@@ -92,15 +92,23 @@ def dry_runs():
     return out
 
 
-def test_dry_run_static_memory_with_owned_matrices_is_the_plan():
-    """Muon under the distributed optimizer (tp2 x pp2 x dp2): the busiest rank's Adam shards and
-    the momentum of the matrices it owns, as planned."""
-    cfg = compose_config(["model=gpt_tiny", "model.seq_length=32", "model.vocab_size=512", "data=synthetic",
+@pytest.mark.parametrize("overrides, ranks", [
+    # tp2 x pp2 x dp2: pp0 tp0 at dp0 and dp1, each owns its own matrices
+    (("model=gpt_tiny", "parallel=tp2_pp2", "trainer.devices=8"), [0, 2]),
+    # moe_tiny, ep2 x dp4: dense buckets owned over 4 ranks, expert buckets over each expert group of
+    # 2; rank 3 (dense shard 3, rank 1 of its expert group) is within 4 bytes of the busiest, rank 2
+    (("model=moe_tiny", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.moe.ffn_hidden_size=32",
+      "model.num_layers=2", "model.hidden_size=128", "trainer.devices=4", "parallel.expert_parallel_size=2"), [3]),
+])
+def test_dry_run_static_memory_with_owned_matrices_is_the_plan(overrides, ranks):
+    """Muon under the distributed optimizer: the busiest rank's Adam shards and the momentum of
+    the matrices it owns (dense ones over dp x cp, experts over the expert data-parallel group)."""
+    cfg = compose_config(["model.seq_length=32", "model.vocab_size=512", "data=synthetic",
                           "data.micro_batch_size=1", "data.global_batch_size=4", "trainer=gpu", "precision=bf16",
-                          "optim=muon", "optim.distributed_optimizer=true", "parallel=tp2_pp2", "trainer.devices=8"])
-    results = D.dry_run(cfg, derive(cfg), [0, 2])  # pp0 tp0 at dp0 and dp1: each owns its own matrices
+                          "optim=muon", "optim.distributed_optimizer=true", *overrides])
+    results = D.dry_run(cfg, derive(cfg), ranks)
     busiest = max(r.static_bytes for r in results)
-    assert results[0].static_bytes != results[1].static_bytes
+    assert len({r.static_bytes for r in results}) == len(results)
     assert abs(busiest / results[0].plan_static_bytes - 1) < 0.01
 
 
@@ -144,3 +152,21 @@ def test_planner_ranks_muon_layouts_without_fsdp():
     found = plan_layouts(cfg, cluster)
     assert found and all(c.layout.muon_ns_steps == 5 and not c.layout.fsdp for c in found)
     assert all(c.step.optimizer > 0 for c in found)
+
+
+def test_step_time_with_owned_matrices_is_the_busiest_owner_and_the_ownership_rings():
+    """gpt_125m (12 layers, h = 768, GELU) at dp8 under the distributed optimizer: the 24 fc1/fc2
+    (4 h^2 each), 12 QKV (3 h^2) and 12 projections (h^2) dealt largest first leave ranks 0-3
+    3 fc + 2 QKV and ranks 4-7 3 fc + 1 QKV + 3 projections, i.e. 86 h^3 of Newton-Schulz work per
+    iteration against 84 h^3 on average; the Muon buckets (12 h^2 a layer, fp32) are gathered and
+    reduce-scattered over NVLink, each ring sending 7/8 of them."""
+    cfg = compose_config(["model=gpt_125m", "optim=muon"])
+    tc = derive(cfg).transformer
+    h, c, cluster = tc.hidden_size, CALIBRATED, H100_NODE
+    lay = Layout(tp=1, pp=1, dp=8, micro_batch=1, distributed_optimizer=True, muon_ns_steps=5)
+    fc, qkv, proj = 5 * 18 * h ** 3, 5 * 14 * h ** 3, 5 * 6 * h ** 3  # 5 (4 m^2 n + 2 m^3)
+    flops = max(3 * fc + 2 * qkv, 3 * fc + qkv + 3 * proj)
+    wire = 2 * 7 / 8 * tc.num_layers * 12 * h * h * 4
+    expected = (flops / (cluster.peak_tflops * 1e12 * c.matmul_eta(cluster.gpu))
+                + wire / (cluster.nvlink_gb_per_s * 1e9 * c.link_efficiency) + 2 * c.latency_s)
+    assert estimate(tc, 64, lay, cluster).optimizer == pytest.approx(expected, rel=1e-9)

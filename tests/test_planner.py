@@ -442,3 +442,13 @@ def test_compile_fuses_the_element_passes_once(h100):
     assert all(lay.compiled and "trainer.compile=true" in overrides(lay) for lay in found)
     plain = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
     assert not any(lay.compiled for lay in layouts(plain, plain.cluster, Options(micro_batches=(1,), max_vpp=1)))
+
+
+def test_interleaved_layouts_overlap_pipeline_transfers():
+    """torch's interleaved schedules post receives without waiting (``docs/parallelism.md``): the
+    planner's layouts with virtual stages overlap their point-to-point transfers, 1F1B's do not."""
+    cfg = compose_config(["model=gpt_8b", "cluster=a100_40g_x64", "data.global_batch_size=256"])
+    found = plan_layouts(cfg, cfg.cluster, Options(micro_batches=(1,), recompute=("full",), sequence_parallel=(True,),
+                                                   distributed_optimizer=(True,), data_parallel=("ddp",), max_vpp=2))
+    assert {c.layout.vpp for c in found} == {1, 2}
+    assert all(c.layout.pp_comm_overlap == (c.layout.vpp > 1) for c in found)

@@ -493,6 +493,8 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
     if load_optimizer and optimizer is not None:
         step_key = next(k for k in metadata if k.startswith("optim/") and k.endswith("/step"))
         pieces = _pieces_by_owner(optimizer, metadata[step_key].properties.dtype)
+    muon = getattr(optimizer, "muon", None)
+    muon_params = set(muon.params) if muon is not None else set()  # the matrices Muon steps here
     with torch.no_grad():
         for e in local:
             # An fp32 model reads a 16-bit run's fp32 main weights rather than their rounded copy.
@@ -502,8 +504,10 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
             if not owned:
                 continue
             held = {k for piece in owned for k in piece.tensors}  # a Muon matrix's owner adds its momentum piece
-            state_keys = [k for k in held if k != "main"]
-            if not all(_key(e.name, k) in metadata for k in state_keys):
+            # Decided from the metadata and the optimizer's kind alone, the same on every rank (a
+            # non-owner of a Muon matrix holds no momentum piece, yet must drop Adam's step count too).
+            expected = MUON_KEYS if e.owner in muon_params else ADAM_KEYS
+            if not all(_key(e.name, k) in metadata for k in expected):
                 fresh.add(e.owner)  # saved by the other optimizer: its state starts afresh, step count too
             elif e.owner not in steps:
                 steps[e.owner] = torch.zeros((), dtype=owned[0].step.dtype)

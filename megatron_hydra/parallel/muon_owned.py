@@ -22,8 +22,9 @@ norm):
 
 The reduce-scatter stands in for a broadcast from the owner: it costs the same bytes, needs no
 broadcast per matrix, and lets the updated matrices ride the parameter gather that already
-overlaps the forward. Per step a rank sends ``2 x`` the bytes of every bucket that holds a Muon
-matrix, beyond ZeRO-1's own reduce-scatter and all-gather (``docs/muon.md``).
+overlaps the forward. Per step the two collectives count ``2 x`` the bytes of every bucket that
+holds a Muon matrix (``collectives.count_comm``'s convention: the whole bucket), beyond ZeRO-1's
+own reduce-scatter and all-gather; on the wire a ring sends ``(n-1)/n`` of that (``docs/muon.md``).
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ class OwnedMuon:
             self.steps[p] = torch.zeros((), dtype=step_dtype)
         return self.steps[p]
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor:
-        off = self.buffer.offsets[p]
-        return self.buffer.buffer[off:off + p.numel()].view(p.shape)
+    @staticmethod
+    def _grad(p: nn.Parameter) -> torch.Tensor:
+        """``p``'s place in the gradient buffer: the view ``GradBuffer`` set as ``p.main_grad``
+        (everything is folded in before the step, so ``data_parallel.main_grad`` has nothing to add)."""
+        return p.main_grad
 
     def init_state(self, p: nn.Parameter, step_dtype: torch.dtype = torch.float32) -> dict:
         """An owned matrix's momentum (like its fp32 gradient) and step count."""

@@ -54,8 +54,9 @@ class Options:
     optimizer, no overlapped gradient reduction and no flash attention: ``benchmarks/planner_sc21.py``
     turns them off). Fused kernels, FP8 and compilation follow the config (``model.transformer_impl``,
     ``precision.fp8``, ``trainer.compile``: compile's GPU gain is not measured yet, so the planner
-    never turns it on itself). Megatron-Core's ``overlap_p2p_comm`` has no counterpart here
-    (``planning.performance``: ``pp_comm_overlap``)."""
+    never turns it on itself). Layouts with virtual stages (``vpp > 1``) run torch's interleaved
+    schedule, whose transfers overlap compute as Megatron-Core's ``overlap_p2p_comm`` does:
+    ``pp_comm_overlap`` is on exactly there (``planning.performance``)."""
 
     micro_batches: Sequence[int] = MICRO_BATCHES
     recompute: Sequence[Optional[str]] = RECOMPUTE
@@ -134,7 +135,7 @@ def layouts(cfg: RunConfig, cluster: ClusterConfig, opts: Options = Options()) -
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch=b, vpp=vpp, recompute=rc, sequence_parallel=sp,
                              distributed_optimizer=do, fsdp=fsdp, cp=cp, cp_comm=comm, ep=ep, whole_experts=whole,
-                             tp_comm_overlap=ring and sp, tp_comm_ring=True, **software)
+                             tp_comm_overlap=ring and sp, tp_comm_ring=True, pp_comm_overlap=vpp > 1, **software)
 
 
 def overrides(layout: Layout) -> Tuple[str, ...]:

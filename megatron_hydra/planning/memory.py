@@ -509,9 +509,11 @@ def _muon(cfg: RunConfig, derived: Derived, pp_rank: int, optimizer: int) -> Tup
     momentum = muon.local_elements(matrices, derived.tp, derived.etp is not None) * main
     ns = muon.ns_item(tc.params_dtype, cfg.trainer.accelerator == "gpu")
     transient = muon.transient_bytes(matrices, derived.tp, main, ns, derived.etp is not None)
-    if cfg.optim.distributed_optimizer and tc.moe is None:  # whole matrices owned per DP rank: the busiest rank
+    if cfg.optim.distributed_optimizer:  # whole matrices owned per DP (or expert DP) rank: the busiest rank
+        edp = moe.expert_dp_size(derived) if tc.moe is not None else None
         return muon.distributed_optimizer_state(tc, _layer_chunks(cfg, derived, pp_rank), derived.tp,
-                                                derived.dp * derived.cp, cfg.parallel.grad_bucket_size, main), transient
+                                                derived.dp * derived.cp, cfg.parallel.grad_bucket_size, main,
+                                                derived.ep, edp, derived.etp is not None, derived.cp), transient
     return optimizer - momentum, transient
 
 

@@ -33,8 +33,10 @@ stacked.
 With the distributed optimizer (``parallel.muon_owned``) each data-parallel rank owns whole
 matrices: the momentum of a rank is that of the matrices it owns (``owned_elements``: the worst
 rank's, as ``assign_owners`` deals them), Adam leaves out the rank's 1/dp of the Muon matrices,
-Newton-Schulz runs on the owners only, and the buckets holding Muon matrices cross the network
-twice more per step (``ownership_bytes``).
+Newton-Schulz runs on the owners only (the step time takes the busiest owner's), and the buckets
+holding Muon matrices cross the network twice more per step (``ownership_bytes``). Dense buckets
+are dealt over dp x cp, then expert buckets over the expert data-parallel group, each padded to
+its group's size (``distributed_optimizer_state``).
 """
 
 from __future__ import annotations
@@ -106,36 +108,56 @@ def _meta_chunk(tcfg: TransformerConfig, first: int, last: int, pre: bool, post:
 
 
 @lru_cache(maxsize=None)
-def chunk_flags(tcfg: TransformerConfig, first: int, last: int, pre: bool,
-                post: bool) -> Tuple[Tuple[int, bool, bool], ...]:
-    """``(logical elements, split over TP, stepped by Muon)`` of each trained parameter of a dense
-    chunk (``chunk_matrices``), in the model's parameter order."""
+def chunk_flags(tcfg: TransformerConfig, first: int, last: int, pre: bool, post: bool,
+                ep: int = 1) -> Tuple[Tuple[int, bool, bool, bool], ...]:
+    """``(logical elements, split over TP, stepped by Muon, an expert's)`` of each trained
+    parameter of a chunk of EP rank 0 (``chunk_matrices``), in the model's parameter order."""
+    from megatron_hydra.parallel.data_parallel import is_expert
     from megatron_hydra.parallel.muon import is_muon_param
 
-    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_muon_param(name, p))
-                 for name, p in _meta_chunk(tcfg, first, last, pre, post, 1).named_parameters() if p.requires_grad)
+    return tuple((p.numel(), getattr(p, "tp_partition_dim", None) is not None, is_muon_param(name, p), is_expert(p))
+                 for name, p in _meta_chunk(tcfg, first, last, pre, post, ep).named_parameters() if p.requires_grad)
 
 
-def distributed_optimizer_state(tcfg: TransformerConfig, chunks, tp: int, dp: int, bucket_size: int, item: int) -> int:
-    """The optimizer state of the busiest data-parallel rank of a dense model with Muon under the
-    distributed optimizer: Adam's two moments over the other parameters' elements of its shards
-    of the buckets (laid out as ``parallel.data_parallel`` lays them), and the momentum of the
-    matrices it owns (``parallel.muon_owned.assign_owners``)."""
+def _group_state(params: List[Tuple[int, bool]], bucket_size: int, ranks: int) -> List[int]:
+    """Optimizer-state elements of each of ``ranks`` for one reduction group's ``params``
+    (``(elements, Muon's)`` in model order): Adam's two moments over the non-Muon elements of its
+    shard of each bucket (buffer order, each bucket padded to ``ranks``) and the momentum of the
+    Muon matrices it owns (``parallel.muon_owned.assign_owners``)."""
     from megatron_hydra.parallel.data_parallel import bucket_layout
 
-    tc = shape_only(tcfg)
-    params = [(n // tp if split else n, muon) for layers, pre, post in chunks
-              for n, split, muon in chunk_flags(tc, layers.start, layers.stop, pre, post)]
-    owned = owner_loads([n for n, muon in params if muon], dp)
+    owned = owner_loads([n for n, muon in params if muon], ranks)
     ordered = list(reversed(params))  # the buffer runs in reverse order
-    adam = [0] * dp
-    for lo, hi, start, end in bucket_layout([n for n, _ in ordered], bucket_size, dp):
-        share, at = (end - start) // dp, start
+    adam = [0] * ranks
+    for lo, hi, start, end in bucket_layout([n for n, _ in ordered], bucket_size, ranks) if ordered else ():
+        share, at = (end - start) // ranks, start
         for n, muon in ordered[lo:hi]:
-            for r in range(dp) if not muon else ():
+            for r in range(ranks) if not muon else ():
                 adam[r] += max(0, min(at + n, start + (r + 1) * share) - max(at, start + r * share))
             at += n
-    return max(2 * a + o for a, o in zip(adam, owned)) * item
+    return [2 * a + o for a, o in zip(adam, owned)]
+
+
+def distributed_optimizer_state(tcfg: TransformerConfig, chunks, tp: int, dp: int, bucket_size: int, item: int,
+                                ep: int = 1, expert_dp: Optional[int] = None, whole_experts: bool = False,
+                                cp: int = 1) -> int:
+    """The optimizer state of the busiest rank with Muon under the distributed optimizer, as
+    ``parallel.data_parallel`` lays the buffer out (dense buckets over the ``dp`` (dp x cp) ranks,
+    then, with ``expert_dp`` given, expert buckets over the expert data-parallel group) and
+    ``parallel.muon_owned`` deals the owners (per group). A rank at position ``i`` of dp x cp sits
+    at ``(i // (cp ep)) cp + i % cp`` of its expert group (``parallel.state.expert_group_ranks``);
+    with whole experts (carved from dp x tp) the busiest of each group is taken, an upper bound."""
+    tc = shape_only(tcfg)
+    params = [(n // tp if split and not (whole_experts and expert) else n, muon, expert and expert_dp is not None)
+              for layers, pre, post in chunks for n, split, muon, expert in chunk_flags(tc, layers.start, layers.stop,
+                                                                                         pre, post, ep)]
+    dense = _group_state([(n, muon) for n, muon, expert in params if not expert], bucket_size, dp)
+    if expert_dp is None:
+        return max(dense) * item
+    experts = _group_state([(n, muon) for n, muon, expert in params if expert], bucket_size, expert_dp)
+    if whole_experts:
+        return (max(dense) + max(experts)) * item
+    return max(d + experts[(i // (cp * ep)) * cp + i % cp] for i, d in enumerate(dense)) * item
 
 
 def rank_matrices(tcfg: TransformerConfig, chunks, ep: int = 1) -> List[Matrix]:
@@ -169,9 +191,11 @@ def owned_elements(matrices: List[Matrix], tp: int, dp: int, whole_experts: bool
 
 
 def ownership_bytes(bucket_bytes: int) -> int:
-    """Bytes a rank sends per step for Muon's ownership under the distributed optimizer, beyond
+    """Bytes of Muon's ownership collectives per step under the distributed optimizer, beyond
     ZeRO-1's own: each bucket holding a Muon matrix gathered whole once and reduce-scattered
-    once (``parallel.muon_owned``); ``bucket_bytes``: those buckets' bytes together."""
+    once (``parallel.muon_owned``); ``bucket_bytes``: those buckets' bytes together. Counted as
+    ``collectives.count_comm`` counts (the whole bucket per collective); a ring over ``n`` ranks
+    sends ``(n-1)/n`` of this from each rank (``step_seconds``)."""
     return 2 * bucket_bytes
 
 
@@ -241,36 +265,72 @@ def ns_item(dtype: torch.dtype, gpu: bool) -> int:
     return 2 if gpu else main_item(dtype)
 
 
-def layer_matrix_shapes(tc: TransformerConfig, split_qkv: bool = False, ep: int = 1) -> List[Tuple[int, int, float]]:
-    """(rows, cols, matrices per layer, averaged over the layers) of Muon's matrices on a GPU, from
-    the config alone (the step-time model, which builds nothing). ``split_qkv``: Q, K and V of each
-    query group apart; ``ep``: the experts are split over that many ranks."""
+def layer_matrix_shapes(tc: TransformerConfig, split_qkv: bool = False,
+                        ep: int = 1) -> List[Tuple[int, int, float, int]]:
+    """(rows, cols, matrices per layer, averaged over the layers, experts stacked in one parameter:
+    0 for a dense matrix) of Muon's matrices on a GPU, from the config alone (the step-time model,
+    which builds nothing). ``split_qkv``: Q, K and V of each query group apart; ``ep``: the
+    experts are split over that many ranks."""
     h, d, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
     gated = tc.activation in ("swiglu", "geglu")
-    qkv = [(a // g * d, h, g), (d, h, 2 * g)] if split_qkv else [((a + 2 * g) * d, h, 1)]
-    shapes = qkv + [(h, a * d, 1)]
+    qkv = [(a // g * d, h, g, 0), (d, h, 2 * g, 0)] if split_qkv else [((a + 2 * g) * d, h, 1, 0)]
+    shapes = qkv + [(h, a * d, 1, 0)]
     moe_share = len(tc.moe_layers) / tc.num_layers if tc.moe is not None else 0.0
     dense = 1.0 - moe_share
     if dense:
-        shapes += [(tc.ffn_hidden_size, h, dense * (2 if gated else 1)), (h, tc.ffn_hidden_size, dense)]
+        shapes += [(tc.ffn_hidden_size, h, dense * (2 if gated else 1), 0), (h, tc.ffn_hidden_size, dense, 0)]
     if moe_share:
         spec = tc.moe
-        for f, count in ((spec.ffn_hidden_size, spec.num_experts / ep), (spec.shared_ffn_hidden_size, 1)):
+        for f, count, stacked in ((spec.ffn_hidden_size, spec.num_experts / ep, max(1, spec.num_experts // ep)),
+                                  (spec.shared_ffn_hidden_size, 1, 0)):
             if f:
-                shapes += [(f, h, moe_share * count * (2 if gated else 1)), (h, f, moe_share * count)]
+                shapes += [(f, h, moe_share * count * (2 if gated else 1), stacked), (h, f, moe_share * count, stacked)]
     return shapes
 
 
+def _busiest_owner_flops(shapes, layers_per_gpu: float, tp: int, steps: int, owners: int, expert_owners: int) -> float:
+    """Newton-Schulz FLOPs of the busiest owner: the GPU's matrices (an expert parameter stacks
+    its experts) dealt as ``parallel.muon_owned.assign_owners`` deals them, dense ones over
+    ``owners``, experts over ``expert_owners`` (the expert data-parallel group)."""
+    from megatron_hydra.parallel.muon_owned import assign_owners
+
+    busiest = 0.0
+    for group, ranks in ((False, owners), (True, expert_owners)):
+        items = []  # (elements on a TP rank, FLOPs) per parameter
+        for r, c, k, stacked in shapes:
+            if bool(stacked) == group:
+                per = stacked or 1
+                items += [(per * r * c // tp, per * newton_schulz_flops(r, c, steps))] * round(layers_per_gpu * k / per)
+        load = [0.0] * ranks
+        for (_, flops), rank in zip(items, assign_owners([n for n, _ in items], ranks)):
+            load[rank] += flops
+        busiest += max(load)
+    return busiest
+
+
 def step_seconds(tc: TransformerConfig, layers_per_gpu: float, tp: int, steps: int, peak_flops: float,
-                 gather_time, split_qkv: bool = False, ep: int = 1, owners: int = 1) -> float:
+                 gather_time, split_qkv: bool = False, ep: int = 1, owners: int = 1, expert_owners: int = 1,
+                 dp_time=None, grad_bytes: int = 4) -> float:
     """Seconds of a GPU's Muon step beyond AdamW's: Newton-Schulz on its layers' matrices at
     ``peak_flops`` and the TP all-gathers (``gather_time(bytes)``, fp32 updates), not overlapped
-    with anything. ``owners``: the data-parallel ranks that share the matrices out under the
-    distributed optimizer (``parallel.muon_owned``), 1 when every rank steps every matrix."""
+    with anything. ``owners`` (``expert_owners`` for experts): the data-parallel ranks that share
+    the matrices out under the distributed optimizer (``parallel.muon_owned``), 1 when every rank
+    steps every matrix; then Newton-Schulz runs the busiest owner's share, and the buckets holding
+    the matrices (taken as the matrices' ``grad_bytes`` elements) are all-gathered and
+    reduce-scattered once more over the DP group: ``dp_time(wire bytes, messages)``, a ring
+    sending ``(n-1)/n`` of ``ownership_bytes``."""
     shapes = layer_matrix_shapes(tc, split_qkv, ep)
-    flops = layers_per_gpu * sum(k * newton_schulz_flops(r, c, steps) for r, c, k in shapes) / owners
-    volume = layers_per_gpu * sum(k * r * c for r, c, k in shapes) * (tp - 1) / tp * 2
-    return flops / peak_flops + (gather_time(volume) if tp > 1 else 0.0)
+    if owners > 1 or expert_owners > 1:
+        flops = _busiest_owner_flops(shapes, layers_per_gpu, tp, steps, owners, expert_owners)
+    else:
+        flops = layers_per_gpu * sum(k * newton_schulz_flops(r, c, steps) for r, c, k, _ in shapes)
+    volume = layers_per_gpu * sum(k * r * c for r, c, k, _ in shapes) * (tp - 1) / tp * 2
+    ownership = 0.0
+    for group, n in ((False, owners), (True, expert_owners)):
+        held = layers_per_gpu * sum(k * r * c for r, c, k, stacked in shapes if bool(stacked) == group) / tp
+        if n > 1 and held and dp_time is not None:
+            ownership += dp_time((n - 1) / n * ownership_bytes(held * grad_bytes), 2)
+    return flops / peak_flops + (gather_time(volume) if tp > 1 else 0.0) + ownership
 
 
 def optimizer_bytes(trained: int, muon: int, dtype: torch.dtype, shard: Optional[int] = None) -> int:

@@ -139,11 +139,12 @@ project):
   chunk's send and receive run while the GPU computes its next chunk, exposing
   ``max(0, T_p2p - F_v)`` per forward message and ``max(0, T_p2p - B_v)`` per backward one
   (``F_v``, ``B_v`` one chunk's forward and backward of a micro-batch); the ``2 (p-1)`` messages of
-  the warm-up and cool-down stay exposed. This project's layouts leave it off: torch's pipelining
-  schedules post a chunk's receive just before the computation that needs it (the interleaved
-  schedule waits for each time step's batch of sends and receives before its next computation),
-  so the transfers do not run behind the next chunk's compute; ``benchmarks/overlap.py`` measures
-  what its transfers expose.
+  the warm-up and cool-down stay exposed. This project's layouts turn it on where ``v > 1``:
+  torch 2.13's interleaved runtime schedules (``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``) post each receive without
+  waiting and wait for it just before the computation that needs it, so the transfers run behind
+  the chunks computed meanwhile (``docs/parallelism.md``); plain 1F1B (``v = 1``) does not
+  overlap. ``benchmarks/overlap.py`` measures what the transfers expose.
 * DP overlap per virtual chunk (``overlap_grad_reduce``, under every schedule): a chunk's gradients
   are reduced once its last micro-batch's backward is done. With ``v`` chunks of backward time
   ``B_v = B / v`` each (``B`` the backward of one micro-batch through the GPU's layers), the last
@@ -155,7 +156,9 @@ project):
   ``F`` of the next step's first micro-batch; off, ``A`` whole.
 
 Muon (``optim=muon``): its Newton-Schulz iterations and TP all-gathers after each step, not
-overlapped (``StepTime.optimizer``, ``planning.muon.step_seconds``).
+overlapped (``StepTime.optimizer``, ``planning.muon.step_seconds``); under the distributed
+optimizer the busiest owner's Newton-Schulz and the ownership all-gather and reduce-scatter of
+the buckets holding Muon's matrices over the DP group's link.
 
 LoRA (frozen weights' gradient matmuls skipped, adapters' added and alone reduced over DP) and
 DPO (the reference's forward-only pipeline pass first; its CP and EP exchanges left out): ``planning.frozen``.
@@ -248,7 +251,7 @@ class Layout:
     fp8: bool = False  # precision.fp8
     tp_comm_overlap: bool = False  # parallel.tp_comm_overlap (with sequence parallelism)
     tp_comm_ring: bool = False  # True: this project's ring collective matmul; False: TE's userbuffers (Megatron-Core)
-    pp_comm_overlap: bool = False  # Megatron-Core's overlap_p2p_comm (interleaved only); not in this project
+    pp_comm_overlap: bool = False  # overlap_p2p_comm (interleaved only); the planner's layouts set it where vpp > 1
     overlap_param_gather: bool = True  # parallel.overlap_param_gather (with the distributed optimizer)
     compiled: bool = False  # trainer.compile: each block's element-wise kernels fused (as fused_kernels)
     reference_forward: bool = False  # objective=dpo: the reference model's forward pass before each step
@@ -418,8 +421,17 @@ def estimate(tc: TransformerConfig, global_batch: int, lay: Layout, cluster: Clu
                     model_flops=model_flops, hardware_flops=model_flops + global_batch * replayed, gpus=gpus,
                     tokens=global_batch * s, cp_comm=cp_comm, ep_comm=ep_comm, optimizer=muon.step_seconds(
                         tc, layers_per_gpu, t, lay.muon_ns_steps, peak, lambda x: _ring_time(x, _group_link(cluster, t), c),
-                        lay.muon_split_qkv, lay.ep, owners=d * cp if lay.distributed_optimizer else 1)
-                    if lay.muon_ns_steps else 0.0)
+                        lay.muon_split_qkv, lay.ep, *_muon_owners(lay, d * cp), grad_bytes=GRAD_BYTES,
+                        dp_time=lambda x, n: _ring_time(x, _group_link(cluster, t * d * cp, cluster.gpus_per_node // t),
+                                                        c, n)) if lay.muon_ns_steps else 0.0)
+
+
+def _muon_owners(lay: Layout, dc: int) -> tuple:
+    """(dense, expert) owners of Muon's matrices under the distributed optimizer: dp x cp, and the
+    expert data-parallel group; (1, 1) without it (every rank steps every matrix)."""
+    if not lay.distributed_optimizer:
+        return 1, 1
+    return dc, max(1, dc * (lay.tp if lay.whole_experts else 1) // lay.ep)
 
 
 @dataclass(frozen=True)
