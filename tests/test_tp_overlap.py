@@ -19,6 +19,11 @@ import pytest
 from conftest import SMALL, compose_config, spawn_ranks
 from megatron_hydra.config import derive
 from megatron_hydra.errors import ConfigError
+from megatron_hydra.parallel import collectives as C
+# At module level, as in test_dry_run*.py: the stand-in device registers before this process's
+# first backward (registered after it, autograd's device queues miss it).
+from megatron_hydra.training import dry_run as D
+from megatron_hydra.training import fake_gpu
 
 TOL = 1e-9
 B, S, IN, OUT = 2, 8, 12, 16
@@ -72,10 +77,14 @@ def _run_layer(layer: str, ps, overlap: bool):
             for p in mod.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=dt))
     x = x.clone().requires_grad_(True)
+    called = []  # forward pre-hooks (the distributed optimizer waits for a layer's gather in one) must run
+    for mod in mods:
+        mod.register_forward_pre_hook(lambda m, args: called.append(m))
     with C.record_comm() as rec:
         outs = same_input(x, *mods) if layer == "gated" else (mods[0](x),)
         upstream = [torch.randn(o.shape, generator=gen, dtype=dt) for o in outs]
         torch.autograd.backward(outs, upstream)
+    assert all(any(m is mod for m in called) for mod in mods), layer
     grads = [x.grad] + [p.grad for mod in mods for p in mod.parameters()]
     return [o.detach() for o in outs], grads, sorted({e.kind for e in rec.events}), len(rec.events)
 
@@ -218,10 +227,6 @@ def test_derive_passes_the_switch_to_the_model():
 
 def test_dry_run_steps_with_the_switch_on():
     """The ring's batched isend/irecv runs on the fake process group and the fake GPU."""
-    from megatron_hydra.parallel import collectives as C
-    from megatron_hydra.training import dry_run as D
-    from megatron_hydra.training import fake_gpu
-
     cfg = compose_config([*SMALL, "trainer=gpu", *SP, "parallel.tp_comm_overlap=true", "data.global_batch_size=2"])
     with C.record_comm() as rec:
         (result,) = D.dry_run(cfg, derive(cfg), [1])

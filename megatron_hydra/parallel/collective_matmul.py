@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hydra.parallel import collectives as C
+from megatron_hydra.parallel.mappings import SEQ_DIM
 
-SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 KIND = "tp_p2p"  # what ``collectives`` counts and records the ring transfers as
 
 
@@ -80,7 +80,10 @@ def _rows(t: torch.Tensor, chunk: int, size: int) -> torch.Tensor:
 
 def _autocast_of(device: torch.device):
     """The autocast state of the forward, which backward re-enters (as ``torch.amp.custom_bwd``
-    does), so that its matmuls run in the dtype of the forward's, as the plain layers' do."""
+    does), so that its matmuls run in the dtype of the forward's, as the plain layers' do. Not
+    ``torch.amp.custom_fwd/custom_bwd`` themselves: they take one ``device_type`` when the class is
+    defined, and these Functions serve every device (CPU, CUDA, the dry run's stand-in), known
+    only from the input at the call."""
     if not torch.is_autocast_enabled(device.type):
         return None
     return device.type, torch.get_autocast_dtype(device.type)

@@ -75,7 +75,8 @@ class ColumnParallelLinear(nn.Module):
 
     Input is the full activation (or, with sequence parallelism, this rank's sequence slice, which
     is all-gathered first); output is this rank's slice of the features unless ``gather_output``.
-    ``forward(x, input_entered=True)`` takes an input already passed through ``enter_tp_region``.
+    ``forward(x, input_entered=True)`` takes an input already passed through ``enter_tp_region``;
+    ``forward(x, weights_only=True)`` returns ``(weight, bias)`` after the module's pre-hooks ran.
     ``lora``: a low-rank adapter (``parallel.lora.ColumnLoRA``) added to the output slice, or None.
     ``tp_comm_overlap``: under sequence parallelism, the all-gather overlapped with the matmul.
     """
@@ -92,7 +93,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = tp_param((local_out,), dtype, device, 0) if bias else None
         self.lora: Optional[nn.Module] = None
 
-    def forward(self, x: torch.Tensor, input_entered: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_entered: bool = False, weights_only: bool = False):
+        if weights_only:  # for ``same_input``'s shared ring: through ``__call__``, so pre-hooks run first
+            return self.weight, self.bias
         if not input_entered and _overlapped(self):
             y = collective_matmul.all_gather_linear(x, self.tp_group, [self.weight], [self.bias])[0]
         else:
@@ -115,8 +118,11 @@ def same_input(x: torch.Tensor, *layers: ColumnParallelLinear):
     the input enters the TP region once, so backward reduces their summed input gradient once
     instead of once per layer (under ``tp_comm_overlap``, one ring carries the input to all)."""
     if _overlapped(*layers):
-        return collective_matmul.all_gather_linear(x, layers[0].tp_group, [layer.weight for layer in layers],
-                                                   [layer.bias for layer in layers])
+        # Each layer hands out its weights through its own call, not by attribute: its forward
+        # pre-hooks (the distributed optimizer's wait for the layer's parameter all-gather) run
+        # before the ring reads them.
+        weights, biases = zip(*(layer(x, weights_only=True) for layer in layers))
+        return collective_matmul.all_gather_linear(x, layers[0].tp_group, list(weights), list(biases))
     x = enter_tp_region(x, layers[0].tp_group, layers[0].sequence_parallel)
     return tuple(layer(x, input_entered=True) for layer in layers)
 

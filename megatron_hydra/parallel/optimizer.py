@@ -365,7 +365,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
         if not self.overlap_param_gather:
             self.finish_param_gather()
 
+    @torch.compiler.disable
     def _before_forward(self, module: nn.Module, args) -> None:
+        """Wait for the gathers of ``module``'s own buckets. Outside ``torch.compile``'s graphs
+        (``trainer.compile``): dynamo would otherwise trace the pending ``Work.wait`` and the
+        dict of handles into the compiled blocks."""
         for i in self._wait_for.get(module, ()):
             handle = self._gathers.pop(i, None)
             if handle is not None:
