@@ -18,29 +18,23 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from megatron_hydra.config import derive, register_configs
-from megatron_hydra.config.machine import resolve
+from megatron_hydra.config import derive
+from megatron_hydra.config.bundled import compose
 from megatron_hydra.models.compile import compile_blocks
 from megatron_hydra.models.stages import build_model
 from megatron_hydra.parallel.data_parallel import GradBuffer
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.state import ParallelState
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=128",
          "model.vocab_size=2048", "precision=fp32", "data.micro_batch_size=4", "data.global_batch_size=4"]
 
 
 def config(overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[*overrides, "run_dir=unused"]))
-    cfg = resolve(cfg, visible_gpus=0)  # this CPU, as launch.py resolves it
+    cfg = compose(overrides)  # this CPU, as launch.py resolves it
     return cfg, derive(cfg)
 
 
@@ -81,7 +75,6 @@ def main(argv) -> None:
             backends = value.split(",")
         else:
             extra.append(arg)
-    register_configs()
     cfg, derived = config([*MODEL, *extra])
     t = derived.transformer
     tokens = derived.global_batch_size * t.seq_length

@@ -17,28 +17,22 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from megatron_hydra.config import derive, register_configs
-from megatron_hydra.config.machine import resolve
+from megatron_hydra.config import derive
+from megatron_hydra.config.bundled import compose
 from megatron_hydra.models.stages import build_model
 from megatron_hydra.parallel.data_parallel import GradBuffer
 from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning.memory import rank_memory
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 SIDES = ("full", "lora")
 
 
 def config(overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[*overrides, "run_dir=unused"]))
-    cfg = resolve(cfg, visible_gpus=0)  # this CPU, as launch.py resolves it
+    cfg = compose(overrides)  # this CPU, as launch.py resolves it
     return cfg, derive(cfg)
 
 
@@ -82,7 +76,6 @@ def main(argv):
     args = dict(a.split("=", 1) for a in argv if "=" in a and a.split("=", 1)[0] in ("model", "rounds", "rank"))
     extra = [a for a in argv if a.split("=", 1)[0] not in ("model", "rounds", "rank")]
     model_name, rounds, rank = args.get("model", "gpt_tiny"), int(args.get("rounds", 7)), int(args.get("rank", 16))
-    register_configs()
     base = [f"model={model_name}", *extra]
     runs = {"full": config(base), "lora": config([*base, "peft=lora", f"peft.rank={rank}"])}
     built = {side: build(*runs[side]) for side in SIDES}

@@ -13,14 +13,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from megatron_hydra.config import derive, register_configs
-from megatron_hydra.config.machine import resolve
+from megatron_hydra.config import derive
+from megatron_hydra.config.bundled import compose
 from megatron_hydra.models.gpt import GPTModel
 from megatron_hydra.models.init import init_weights
 from megatron_hydra.parallel.data_parallel import GradBuffer
@@ -29,7 +26,6 @@ from megatron_hydra.parallel.optimizer import MegatronOptimizer
 from megatron_hydra.parallel.state import ParallelState
 from megatron_hydra.planning import muon as muon_plan
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def build(cfg, derived, with_muon: bool):
@@ -57,11 +53,7 @@ def step_time(opt, steps: int) -> float:
 def main(argv):
     args = dict(a.split("=", 1) for a in argv)
     model_name, rounds, steps = args.get("model", "gpt_125m"), int(args.get("rounds", 5)), int(args.get("steps", 2))
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=[f"model={model_name}", "optim=muon",
-                                                                           "run_dir=unused"]))
-    cfg = resolve(cfg, visible_gpus=0)
+    cfg = compose([f"model={model_name}", "optim=muon"])
     derived = derive(cfg)
     optimizers = {"adamw": build(cfg, derived, False)[1], "muon": build(cfg, derived, True)[1]}
     for opt in optimizers.values():

@@ -234,13 +234,14 @@ def _case(cfg, ps, suite):
     """This rank's recorded steps of one case, and the same collectives timed alone."""
     from megatron_hydra.config import derive
     from megatron_hydra.parallel.collectives import record_comm
-    from megatron_hydra.parallel.random import seed_model_parallel
+    from megatron_hydra.parallel.random import seed_model_parallel, stage_seed
     from megatron_hydra.training.module import LMModule
     from megatron_hydra.training.step import TrainStep
 
     d = derive(cfg)
-    torch.manual_seed(cfg.seed + 100 * ps.pp_rank)
-    seed_model_parallel(cfg.seed + 100 * ps.pp_rank, ps.tp_rank)
+    seed = stage_seed(cfg.seed, ps.pp_rank)
+    torch.manual_seed(seed)
+    seed_model_parallel(seed, ps.tp_rank)
     module = LMModule(cfg, d, ps)
     strategy = _strategy(cfg, ps)
     strategy.connect(module)
