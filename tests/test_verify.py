@@ -4,7 +4,7 @@ process, resumes at another layout, and its full-size dry run is held against a 
 - Every preset shrinks to a config that derives at its README layout, keeping tp, cp, ep, the
   GQA ratio and the schedule, within verify.max_ranks (no run: cheap, covers them all).
 - gpt_tiny at tp2 passes exact and resume end to end, and writes its verdict as JSON.
-- Planted bugs (tests/plants/sitecustomize.py), each only wrong at its layout, fail the exact check
+- Planted bugs (tests/plants/plants.py), each only wrong at its layout, fail the exact check
   and name the first differing tensor.
 - A job that does not fit fails the fit check with the plan's fixes, through launch.py --json.
 
@@ -71,7 +71,7 @@ def test_presets_shrink_at_their_layouts(overrides):
 
 
 def _planted_worker(plant, cfg, derived, rank, world, port):
-    spec = importlib.util.spec_from_file_location("verify_plants", PLANTS / "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("verify_plants", PLANTS / "plants.py")
     plants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plants)
     if plant:

@@ -22,7 +22,7 @@ from megatron_hydra.checkpoint import store
 from megatron_hydra.checkpoint.selection import ADAPTER_MARK, is_adapter_name
 from megatron_hydra.config import RunConfig
 from megatron_hydra.config.io import from_yaml
-from megatron_hydra.config.peft import TARGETS
+from megatron_hydra.config.transformer_config import LORA_TARGETS
 from megatron_hydra.config.schema import PeftConfig
 from megatron_hydra.errors import CheckpointError
 from megatron_hydra.parallel.lora import is_down_projection
@@ -46,7 +46,7 @@ def stored_config(path: str, meta: dict) -> RunConfig:
 def adapter_targets(names) -> Tuple[str, ...]:
     """The target layers (``qkv``, ``proj``, ...) whose adapters ``names`` (logical tensor names) hold."""
     found = {name.split(ADAPTER_MARK)[0].rpartition(".")[2] for name in names if is_adapter_name(name)}
-    return tuple(t for t in TARGETS if t in found) + tuple(sorted(found - set(TARGETS)))
+    return tuple(t for t in LORA_TARGETS if t in found) + tuple(sorted(found - set(LORA_TARGETS)))
 
 
 def adapter_rank(shapes: Dict[str, List[int]]) -> Optional[int]:
@@ -104,7 +104,7 @@ def check_settings(path: str, key: str, meta: dict, cfg: RunConfig, targets: Tup
         if mine != saved:
             raise CheckpointError(f"{key}={path} holds adapters trained with peft.{name}={saved}, but this run has "
                                   f"peft.{name}={mine}: set peft.{name}={saved}")
-    targets = tuple(t for t in TARGETS if t in targets)
+    targets = tuple(t for t in LORA_TARGETS if t in targets)
     if tuple(theirs.target_modules) != targets:
         listed = ",".join(theirs.target_modules)
         raise CheckpointError(f"{key}={path} holds adapters of peft.target_modules=[{listed}], but this run adapts "

@@ -76,14 +76,14 @@ def start_point(cfg: RunConfig, derived: Derived) -> Optional[dict]:
                               f"{os.path.basename(path)}): continue it with peft=lora and its checkpoint.load, or "
                               "give this run another checkpoint.dir")
     adapters.refuse_adapter_only(path, "checkpoint.load", found)
-    check_shapes(path, found["shapes"], logical_shapes(derived), found["has_optimizer"],
-                 cfg.checkpoint.load_optimizer)
+    shapes = logical_shapes(derived)  # a model built on the meta device: once
+    check_shapes(path, found["shapes"], shapes, found["has_optimizer"], cfg.checkpoint.load_optimizer)
     if cfg.objective.name == "dpo" and path != cfg.checkpoint.load:
-        _check_reference(cfg, derived, path, found)
+        _check_reference(cfg, shapes, path, found)
     return {"path": path, **found}
 
 
-def _check_reference(cfg: RunConfig, derived: Derived, resumed: str, found: dict) -> None:
+def _check_reference(cfg: RunConfig, shapes: dict, resumed: str, found: dict) -> None:
     """A DPO run resumed from its own checkpoints keeps its reference, the starting model: the
     same ``checkpoint.load`` as the run it continues (its frozen copy is loaded from there)."""
     started = adapters.stored_config(resumed, found).checkpoint.load
@@ -95,7 +95,7 @@ def _check_reference(cfg: RunConfig, derived: Derived, resumed: str, found: dict
     if ours:
         base = store.validate(ours)
         adapters.refuse_adapter_only(ours, "checkpoint.load", base)
-        check_shapes(ours, base["shapes"], logical_shapes(derived), base["has_optimizer"], False)
+        check_shapes(ours, base["shapes"], shapes, base["has_optimizer"], False)
 
 
 def _lora_start(cfg: RunConfig, derived: Derived, root: str) -> Optional[dict]:

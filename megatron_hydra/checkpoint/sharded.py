@@ -506,8 +506,8 @@ def load(path: str, model, optimizer, ps: ParallelState, vocab_size: int, load_o
             held = {k for piece in owned for k in piece.tensors}  # a Muon matrix's owner adds its momentum piece
             # Decided from the metadata and the optimizer's kind alone, the same on every rank (a
             # non-owner of a Muon matrix holds no momentum piece, yet must drop Adam's step count too).
-            expected = MUON_KEYS if e.owner in muon_params else ADAM_KEYS
-            if not all(_key(e.name, k) in metadata for k in expected):
+            state_keys = MUON_KEYS if e.owner in muon_params else ADAM_KEYS
+            if not all(_key(e.name, k) in metadata for k in state_keys):
                 fresh.add(e.owner)  # saved by the other optimizer: its state starts afresh, step count too
             elif e.owner not in steps:
                 steps[e.owner] = torch.zeros((), dtype=owned[0].step.dtype)

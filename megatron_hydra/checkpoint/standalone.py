@@ -176,16 +176,19 @@ def save_model(path: str, model: torch.nn.Module, cfg: RunConfig, derived: Deriv
                      rng_states=False)
 
 
-def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, derived: Derived, layout: dict,
+def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, derived: Derived,
                  files: Optional[Mapping[str, bytes]] = None, optimizer: Optional[Mapping[str, LazyTensor]] = None,
-                 step: int = 0, consumed_samples: int = 0) -> None:
+                 step: int = 0, consumed_samples: int = 0, select: Optional[str] = None) -> None:
     """Write the logical tensors of the model ``derived`` describes, one at a time, as a
     checkpoint into the empty directory ``path`` (``lazy_write``), each in the dtype it is made
     in; ``files`` (name -> content) go beside them, under the checksums. The tensors must be
     exactly the model's (the caller has checked them against their source). Without
     ``optimizer`` (entries under their checkpoint keys, ``lazy_write.write``) it is weights-only at
-    step 0; with it, a run loading it resumes at ``step`` with ``consumed_samples``."""
-    expected = plan.logical_shapes(derived)
+    step 0; with it, a run loading it resumes at ``step`` with ``consumed_samples``. ``select``:
+    the part of the model the tensors are (``checkpoint.selection``; "adapters": an adapter
+    checkpoint). The layout recorded is ``derived``'s, one process for a conversion's."""
+    meta = plan.meta(cfg, derived, step, consumed_samples, select=select)
+    expected = meta["shapes"]
     given = {n: list(t.shape) for n, t in tensors.items()}
     if given != expected:
         wrong = sorted(n for n in set(given) | set(expected) if given.get(n) != expected.get(n))
@@ -194,7 +197,6 @@ def save_tensors(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig, d
         with open(os.path.join(path, name), "wb") as f:
             f.write(content)
     dtypes = {str(t.dtype) for t in tensors.values()}
-    meta = plan.meta(cfg, derived, step, consumed_samples, saved_layout=layout)
     # What the tensors are stored in (the run's params_dtype is whatever loads them): a file may mix
     # dtypes (fp32 norms beside bf16 matrices), which DCP's metadata records per tensor.
     meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"

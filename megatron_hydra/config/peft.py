@@ -13,7 +13,6 @@ from megatron_hydra.config.schema import RunConfig
 from megatron_hydra.config.transformer_config import LORA_TARGETS, LoRASpec
 from megatron_hydra.errors import ConfigError
 
-TARGETS = LORA_TARGETS
 GATED = ("swiglu", "geglu")
 
 
@@ -45,11 +44,11 @@ def check_peft(cfg: RunConfig, kv_channels: int, ffn: int, moe_layers=()) -> Non
         raise ConfigError(f"peft.dropout={p.dropout}: a probability in [0, 1)")
     targets = model_targets(cfg, moe_layers)
     if not targets:
-        raise ConfigError("peft.target_modules=[]: name at least one of " + ", ".join(TARGETS))
+        raise ConfigError("peft.target_modules=[]: name at least one of " + ", ".join(LORA_TARGETS))
     for t in targets:
-        if t not in TARGETS:
+        if t not in LORA_TARGETS:
             raise ConfigError(f"peft.target_modules: {t!r} is no layer of the model; the layers are "
-                              + ", ".join(TARGETS) + " (docs/finetuning.md)")
+                              + ", ".join(LORA_TARGETS) + " (docs/finetuning.md)")
     if len(set(targets)) < len(targets):
         raise ConfigError(f"peft.target_modules={targets} names a layer twice")
     if "gate" in targets and cfg.model.activation not in GATED:

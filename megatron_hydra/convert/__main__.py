@@ -25,7 +25,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from megatron_hydra.config.cli import parse_args
-from megatron_hydra.errors import MegatronHydraError
+from megatron_hydra.errors import MegatronHydraError, one_line
 
 
 @dataclass
@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                base=args.base)
             print(f"exported {args.input} -> {args.output} ({result['architecture']}: {', '.join(result['files'])})")
     except MegatronHydraError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
 

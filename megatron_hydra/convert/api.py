@@ -119,9 +119,8 @@ def from_hf(input: str, output: str, parallel: str = "single", name: Optional[st
     cfg, derived = standalone.single_process(cfg)
     cfg.parallel = composed.parallel  # recorded as the intended layout; loading ignores it
     tensors = _import_tensors(family, input, files, cfg, derived)
-    layout = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
     with staging.staged(output) as stage:
-        standalone.save_tensors(stage, tensors, cfg, derived, layout, files=extras)
+        standalone.save_tensors(stage, tensors, cfg, derived, files=extras)
     return fine_tune_command(cfg, output, parallel)
 
 

@@ -37,12 +37,12 @@ from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import torch
 
-from megatron_hydra.checkpoint import lazy_write, plan, sharded, standalone, store
+from megatron_hydra.checkpoint import plan, sharded, standalone, store
 from megatron_hydra.checkpoint.lazy_write import LazyTensor
 from megatron_hydra.checkpoint.selection import ADAPTER_MARK, select_names
 from megatron_hydra.config import Derived, RunConfig
 from megatron_hydra.config.derive import DTYPES
-from megatron_hydra.config.peft import TARGETS
+from megatron_hydra.config.transformer_config import LORA_TARGETS
 from megatron_hydra.config.schema import PeftConfig
 from megatron_hydra.config.transformer_config import LoRASpec, TransformerConfig
 from megatron_hydra.convert import hf_files, peft_config, staging
@@ -55,7 +55,6 @@ from megatron_hydra.errors import CheckpointError, ConfigError
 PEFT_PREFIX = "base_model.model."  # PeftModel's name for the Hugging Face model it wraps
 ADAPTER_WEIGHTS, ADAPTER_BIN = "adapter_model.safetensors", "adapter_model.bin"
 SEGMENTS = ("q", "k", "v")  # the fused QKV's adapters, in mapping.fuse_qkv's order
-ONE_PROCESS = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
 
 
 def _segment(a_name: str) -> str:
@@ -240,7 +239,7 @@ def _chosen(base: RunConfig, family, settings: peft_config.LoraSettings, path: s
             raise ConfigError(f"{path}: target_modules names {entry!r}, which is no module of every layer of this "
                               f"{family.MODEL_TYPE} base: supported are {', '.join(sorted(paths))}")
         leaves.add(_leaf(entry))
-    return [t for t in TARGETS if t in {target_of[leaf] for leaf in leaves}], leaves
+    return [t for t in LORA_TARGETS if t in {target_of[leaf] for leaf in leaves}], leaves
 
 
 def _zeros(shape: List[int], dtype: torch.dtype) -> LazyTensor:
@@ -311,12 +310,4 @@ def write_adapters(path: str, tensors: Mapping[str, LazyTensor], cfg: RunConfig,
     """Write ``tensors`` (every adapter of the model ``derived`` describes, by logical name) as an
     adapter checkpoint into the empty directory ``path``, one tensor at a time, each in the dtype
     it is made in; ``cfg`` (the base's model, ``peft=lora``) is stored with them."""
-    meta = plan.meta(cfg, derived, 0, 0, saved_layout=ONE_PROCESS, select="adapters")
-    given = {n: list(t.shape) for n, t in tensors.items()}
-    if given != meta["shapes"]:
-        wrong = sorted(n for n in set(given) | set(meta["shapes"]) if given.get(n) != meta["shapes"].get(n))
-        raise ValueError(f"{wrong[0]}: {given.get(wrong[0])} given, {meta['shapes'].get(wrong[0])} in the model")
-    dtypes = {str(t.dtype) for t in tensors.values()}
-    meta["dtype"] = dtypes.pop() if len(dtypes) == 1 else "mixed"
-    with standalone.one_process():  # DCP's note that it writes from one process: intended here
-        lazy_write.write(path, tensors, meta)
+    standalone.save_tensors(path, tensors, cfg, derived, select="adapters")

@@ -45,7 +45,6 @@ __all__ = ["from_megatron", "to_megatron", "locate", "Imported"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
-LAYOUT = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "cp": 1, "vpp": 1}
 
 
 @dataclass
@@ -184,11 +183,11 @@ def _save(stage: str, source: _Source, cfg: RunConfig, derived, places, shapes, 
     """Write the checkpoint into ``stage``; returns the note on the optimizer state."""
     model = _model_tensors(source, places, shapes)
     if source.main is None:
-        standalone.save_tensors(stage, model, cfg, derived, LAYOUT)
+        standalone.save_tensors(stage, model, cfg, derived)
         return f"optimizer state not carried: {source.why}; a run loading it starts its optimizer afresh"
     step = megatron_dist.optimizer_step(source.ck.common)
     consumed = getattr(source.args, "consumed_train_samples", 0)
-    standalone.save_tensors(stage, model, cfg, derived, LAYOUT,
+    standalone.save_tensors(stage, model, cfg, derived,
                             optimizer=_optimizer_tensors(source, places, shapes, step, model), step=iteration,
                             consumed_samples=consumed if isinstance(consumed, int) else 0)
     return f"optimizer state carried (Adam step {step}); a run loading it resumes at iteration {iteration}"

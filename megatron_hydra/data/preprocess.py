@@ -45,7 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_hydra.config.schema import TokenizerConfig
 from megatron_hydra.data import indexed
 from megatron_hydra.data.tokenizers import DEFAULT_BPE_VOCAB, Tokenizer, build_tokenizer, train_bpe
-from megatron_hydra.errors import ConfigError, DataError, MegatronHydraError
+from megatron_hydra.errors import ConfigError, DataError, MegatronHydraError, one_line
 from megatron_hydra.untrusted import parse_json, surrogate
 
 INPUT_SUFFIXES = (".jsonl", ".txt")
@@ -415,7 +415,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         preprocess(parse_args(argv))
     except MegatronHydraError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     return 0
 

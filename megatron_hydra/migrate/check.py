@@ -21,9 +21,7 @@ def compose(overrides: Sequence[str]) -> RunConfig:
 
     try:
         return bundled_compose(list(overrides))
-    except MegatronHydraError as e:
-        raise ConfigError(f"the translated overrides do not compose: {one_line(e)}") from None
-    except (OmegaConfBaseException, ValueError) as e:
+    except (MegatronHydraError, OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"the translated overrides do not compose: {one_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - Hydra's own errors (an unknown option, a bad override)
         if type(e).__module__.startswith("hydra"):

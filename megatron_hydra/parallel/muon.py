@@ -108,7 +108,6 @@ class Muon:
         self.params, self.mains, self.ps, self.settings, self.qkv = params, mains, ps, settings, qkv
         self.ns_dtype = ns_dtype
         self.state: Dict[nn.Parameter, dict] = {}
-        self.updates = 0  # matrices updated so far (tests count that none was skipped)
 
     def init_state(self, main: torch.Tensor, step_dtype: torch.dtype = torch.float32,
                    like: Optional[torch.Tensor] = None, step: Optional[torch.Tensor] = None) -> dict:
@@ -154,7 +153,6 @@ class Muon:
         buf = state["momentum_buffer"]
         buf.mul_(mu).add_(grad)
         u = grad.add(buf, alpha=mu) if self.settings.nesterov else buf
-        self.updates += 1
         if is_expert(p):
             return torch.stack([self._orthogonal(p, u[e]) for e in range(u.shape[0])])
         return self._orthogonal(p, u)

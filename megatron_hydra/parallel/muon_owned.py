@@ -70,25 +70,15 @@ class OwnedMuon:
         self.steps: Dict[nn.Parameter, torch.Tensor] = {}
         self.state = muon.state
 
-    @property
-    def updates(self) -> int:
-        return self.muon.updates
-
     def step_of(self, p: nn.Parameter, step_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``p``'s step count, kept on every rank (the owner's Muon state shares it)."""
         if p not in self.steps:
             self.steps[p] = torch.zeros((), dtype=step_dtype)
         return self.steps[p]
 
-    @staticmethod
-    def _grad(p: nn.Parameter) -> torch.Tensor:
-        """``p``'s place in the gradient buffer: the view ``GradBuffer`` set as ``p.main_grad``
-        (everything is folded in before the step, so ``data_parallel.main_grad`` has nothing to add)."""
-        return p.main_grad
-
     def init_state(self, p: nn.Parameter, step_dtype: torch.dtype = torch.float32) -> dict:
         """An owned matrix's momentum (like its fp32 gradient) and step count."""
-        return self.muon.init_state(p, step_dtype, like=self._grad(p), step=self.step_of(p, step_dtype))
+        return self.muon.init_state(p, step_dtype, like=p.main_grad, step=self.step_of(p, step_dtype))
 
     def piece_state(self, pc, step_dtype: torch.dtype) -> dict:
         """What a shard piece of a Muon matrix has of its state here: the step count."""
@@ -109,7 +99,7 @@ class OwnedMuon:
         self._collective(lambda shard, whole, group, kind: C.all_gather_into(whole, shard, group, kind),
                          "muon_grad_gather")
         for p in self.mains:  # each update replaces its own gradient, which nothing reads after
-            self._grad(p).copy_(self.muon.direction(p, self.init_state(p), self._grad(p)))
+            p.main_grad.copy_(self.muon.direction(p, self.init_state(p), p.main_grad))
         self._zero_all_but_updates()
         self._collective(C.reduce_scatter_into, "muon_update_scatter")
         owned = set(self.mains)

@@ -161,7 +161,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         names = {p: n for n, p in model.named_parameters()}
         muon_pieces = ([pc for pc in self.pieces if is_muon_param(names.get(pc.param, ""), pc.param)]
                        if muon is not None else [])
-        adam = [pc for pc in self.pieces if not any(pc is m for m in muon_pieces)]
+        self._muon_of = {id(pc) for pc in muon_pieces}  # the pieces Muon steps
+        adam = [pc for pc in self.pieces if id(pc) not in self._muon_of]
         decay = [pc.main for pc in adam if logical_ndim(pc.param) >= 2]
         no_decay = [pc.main for pc in adam if logical_ndim(pc.param) < 2]
         self.impl = resolve_impl(impl, self.pieces[0].main.device)
@@ -169,7 +170,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
                                   {"params": no_decay, "weight_decay": 0.0}], self.impl, lr=lr, betas=betas, eps=eps)
         self.adam_lr_ratio = 1.0 if adam_lr is None else adam_lr / lr
         groups = self.inner.param_groups
-        self.muon, self._muon_of = None, {}
+        self.muon = None
         if muon is not None:
             device = self.pieces[0].main.device
             ns_dtype = None if device.type == "cpu" else torch.bfloat16
@@ -180,7 +181,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
             else:
                 self.muon = Muon([pc.param for pc in muon_pieces], [pc.main for pc in muon_pieces], ps, muon,
                                  qkv_shapes(model), ns_dtype=ns_dtype)
-            self._muon_of = {id(pc): pc for pc in muon_pieces}
             groups = groups + [{"params": [pc.main for pc in muon_pieces], "lr": lr, "weight_decay": weight_decay,
                                 "muon": True}]
         super().__init__(groups, self.inner.defaults)

@@ -140,7 +140,7 @@ class _ReduceWhenFinal:
 
     def __init__(self, buffer, params: dict, num_microbatches: int):
         self.buffer, self.params, self.m = buffer, params, num_microbatches
-        self.done = dict.fromkeys(params, 0)
+        self.reset()
 
     def reset(self) -> None:
         self.done = dict.fromkeys(self.params, 0)

@@ -503,17 +503,17 @@ def _muon(cfg: RunConfig, derived: Derived, pp_rank: int, optimizer: int) -> Tup
         return optimizer, 0
     from megatron_hydra.planning import muon
 
-    tc = derived.transformer
-    matrices = muon.rank_matrices(tc, _layer_chunks(cfg, derived, pp_rank), derived.ep)
+    tc, chunks = derived.transformer, _layer_chunks(cfg, derived, pp_rank)
+    matrices = muon.rank_matrices(tc, chunks, derived.ep)
     main = muon.main_item(tc.params_dtype)
-    momentum = muon.local_elements(matrices, derived.tp, derived.etp is not None) * main
     ns = muon.ns_item(tc.params_dtype, cfg.trainer.accelerator == "gpu")
     transient = muon.transient_bytes(matrices, derived.tp, main, ns, derived.etp is not None)
     if cfg.optim.distributed_optimizer:  # whole matrices owned per DP (or expert DP) rank: the busiest rank
         edp = moe.expert_dp_size(derived) if tc.moe is not None else None
-        return muon.distributed_optimizer_state(tc, _layer_chunks(cfg, derived, pp_rank), derived.tp,
-                                                derived.dp * derived.cp, cfg.parallel.grad_bucket_size, main,
-                                                derived.ep, edp, derived.etp is not None, derived.cp), transient
+        return muon.distributed_optimizer_state(tc, chunks, derived.tp, derived.dp * derived.cp,
+                                                cfg.parallel.grad_bucket_size, main, derived.ep, edp,
+                                                derived.etp is not None, derived.cp), transient
+    momentum = muon.local_elements(matrices, derived.tp, derived.etp is not None) * main
     return optimizer - momentum, transient
 
 

@@ -48,6 +48,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_hydra.config.transformer_config import TransformerConfig
+from megatron_hydra.planning.layer_stacks import mlp_units, moe_fraction
 from megatron_hydra.planning.state_bytes import HALF, shape_only
 
 # The Newton-Schulz iteration's working set at its two peaks, (m x n tensors, m x m tensors):
@@ -272,10 +273,10 @@ def layer_matrix_shapes(tc: TransformerConfig, split_qkv: bool = False,
     which builds nothing). ``split_qkv``: Q, K and V of each query group apart; ``ep``: the
     experts are split over that many ranks."""
     h, d, a, g = tc.hidden_size, tc.kv_channels, tc.num_attention_heads, tc.num_query_groups
-    gated = tc.activation in ("swiglu", "geglu")
+    gated = mlp_units(tc) == 3
     qkv = [(a // g * d, h, g, 0), (d, h, 2 * g, 0)] if split_qkv else [((a + 2 * g) * d, h, 1, 0)]
     shapes = qkv + [(h, a * d, 1, 0)]
-    moe_share = len(tc.moe_layers) / tc.num_layers if tc.moe is not None else 0.0
+    moe_share = moe_fraction(tc)
     dense = 1.0 - moe_share
     if dense:
         shapes += [(tc.ffn_hidden_size, h, dense * (2 if gated else 1), 0), (h, tc.ffn_hidden_size, dense, 0)]

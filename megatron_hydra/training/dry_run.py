@@ -164,10 +164,10 @@ def _save_plan(module, optimizer, ps: ParallelState, derived: Derived) -> int:
     before writing; under LoRA the adapters alone, as training saves them); returns the number of
     items planned."""
     from megatron_hydra.checkpoint.chunks import SavePlanner
+    from megatron_hydra.checkpoint.plan import saved_part
     from megatron_hydra.checkpoint.sharded import state_dict
 
-    select = "adapters" if derived.transformer.lora is not None else None
-    sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size, select=select)
+    sd = state_dict(module.model, optimizer, ps, derived.transformer.vocab_size, select=saved_part(derived))
     planner = SavePlanner()
     planner.set_up_planner(sd, is_coordinator=dist.get_rank() == 0)
     return len(planner.create_local_plan().items)

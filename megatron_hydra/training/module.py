@@ -171,7 +171,7 @@ class LMModule(pl.LightningModule):
 
     def stage_inputs(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The batch fields besides tokens, labels and loss mask that every pipeline stage reads."""
-        return {k: batch[k] for k in ARCHS[self.derived.transformer.arch].inputs if k != "labels" and k in batch}
+        return {k: v for k, v in self.model_inputs(batch).items() if k != "labels"}
 
     def pipeline_target(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """What the pipeline schedule cuts into micro-batches for the last stage's loss function

@@ -4,13 +4,14 @@ process), as the largest relative difference and the first step and tensor beyon
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from megatron_hydra.report import METRICS_CSV, read_metrics
 
 METRICS = ("loss", "grad_norm")
 
@@ -56,12 +57,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def metrics(run_dir: str) -> Dict[int, Dict[str, float]]:
     """Rank 0's logged loss and grad norm by optimizer step (1 for the first, as checkpoints are
     numbered; the log counts from 0)."""
-    path = os.path.join(run_dir, "csv", "metrics.csv")
+    path = os.path.join(run_dir, METRICS_CSV)
     if not os.path.exists(path):  # a run that logged no step: every step is reported missing
         return {}
-    with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    return {int(float(r["step"])) + 1: {k: float(r[k]) for k in METRICS if r.get(k)} for r in rows}
+    return {int(r["step"]) + 1: {k: r[k] for k in METRICS if k in r} for r in read_metrics(path) if "loss" in r}
 
 
 def checkpoint(run_dir: str, step: int) -> str:

@@ -55,13 +55,15 @@ def resume_layout(cfg: RunConfig, max_ranks: int) -> Optional[RunConfig]:
     (the same global batch); None where neither differs within ``max_ranks``."""
     if derive(cfg).world_size > 1:
         return single_process(cfg, cfg.run_dir, cfg.trainer.max_steps)
+    if max_ranks < 2:
+        return None
     other = copy.deepcopy(cfg)
     other.parallel.tensor_parallel_size, other.trainer.devices = 2, 2
     try:
         derive(other)
     except ConfigError:  # heads or groups that do not split in two (a single query group)
         return None
-    return other if max_ranks >= 2 else None
+    return other
 
 
 def resume(shrunk: Shrunk, layout_dir: str, root: str, steps: int, tolerance: float,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 from megatron_hydra.config import Derived, RunConfig, derive
 from megatron_hydra.errors import ConfigError, one_line
@@ -145,9 +145,9 @@ def _shrink_run(cfg: RunConfig, world: int, steps: int, run_dir: str) -> None:
     cfg.optim.impl = "auto"
 
 
-def shrink(job: RunConfig, job_derived: Derived, run_dir: str, steps: Optional[int] = None) -> Shrunk:
+def shrink(job: RunConfig, job_derived: Derived, run_dir: str) -> Shrunk:
     """The job at its tp x pp x cp x ep with the smallest DP, ranks cut to ``verify.max_ranks``
-    (DP first, then pipeline stages; never TP, CP or EP), ``steps`` optimizer steps."""
+    (DP first, then pipeline stages; never TP, CP or EP), ``verify.steps`` optimizer steps."""
     check_verifiable(job)
     d, par = job_derived, job.parallel
     tp, pp, cp, ep, vpp = d.tp, d.pp, d.cp, d.ep, d.vpp
@@ -171,10 +171,9 @@ def shrink(job: RunConfig, job_derived: Derived, run_dir: str, steps: Optional[i
     cfg.parallel.pipeline_parallel_size = new_pp
     if new_pp == 1:
         cfg.parallel.virtual_pipeline_size, vpp = None, 1
-        if cfg.parallel.pipeline_schedule != "1f1b":
-            cfg.parallel.pipeline_schedule = "1f1b"
+        cfg.parallel.pipeline_schedule = "1f1b"
     _shrink_model(cfg, tp, new_pp, cp, vpp, reduced)
-    _shrink_run(cfg, tp * new_pp * cp * dp, job.verify.steps if steps is None else steps, run_dir)
+    _shrink_run(cfg, tp * new_pp * cp * dp, job.verify.steps, run_dir)
     try:
         derived = derive(cfg)
     except ConfigError as e:

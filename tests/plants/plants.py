@@ -1,9 +1,6 @@
-"""Planted bugs for test_verify.py: with this directory on PYTHONPATH and ``VERIFY_PLANT`` naming
-one of ``PLANTS``, every Python process of the run (launched workers included) starts with that
-bug patched into the package. Each bug matters only at its layout (tp > 1, pp > 1, cp > 1, a
-sharded optimizer), as real ones do, so the single-process reference is untouched."""
-
-import os
+"""Planted bugs for test_verify.py, which patches the one a case names into each rank it forks for
+the layout run. Each bug matters only at its layout (tp > 1, pp > 1, cp > 1, a sharded
+optimizer), as real ones do, so the single-process reference would be untouched by it."""
 
 
 def forget_tp_all_reduce() -> None:
@@ -90,6 +87,3 @@ def optimizer_skips_a_parameter() -> None:
 
 PLANTS = {f.__name__: f for f in (forget_tp_all_reduce, drop_microbatch, window_off_by_one, lora_b_wrong_dim,
                                   optimizer_skips_a_parameter)}
-
-if os.environ.get("VERIFY_PLANT"):
-    PLANTS[os.environ["VERIFY_PLANT"]]()
